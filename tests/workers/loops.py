@@ -1,0 +1,76 @@
+"""Train loops the worker tests run inside Ray: tiny models, a few steps, with files the test can inspect."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from service.strategy import StrategySpec
+from workers.checkpoint import full_state_dict
+from workers.strategies import prepare, seed_everything, world
+
+
+def tiny_model(name: str) -> torch.nn.Module:
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=64, n_positions=32))
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+
+
+def tiny_data(name: str) -> TensorDataset:
+    generator = torch.Generator().manual_seed(1)
+    if name == "gpt2":
+        starts = torch.randint(0, 64, (32, 1), generator=generator)
+        return TensorDataset((starts + torch.arange(16)) % 17)  # a learnable pattern: next token = token + 1
+    x = torch.randn(64, 8, generator=generator)
+    return TensorDataset(x, x @ torch.randn(8, 1, generator=generator))
+
+
+def strategy_loop(config: dict[str, Any]) -> None:
+    """Train `steps` optimizer steps, checkpoint at the end; record losses, steps and parameters for the test."""
+    strategy = StrategySpec.model_validate(config["strategy"])
+    out = Path(config["out"])
+    tag = config["tag"]
+    seed_everything(0)
+    name = config.get("model", "mlp")
+    model = tiny_model(name)
+    loader = DataLoader(tiny_data(name), batch_size=4, shuffle=True)
+    prepared = prepare(
+        model,
+        lambda params: torch.optim.AdamW(params, lr=config.get("lr", 1e-2)),
+        loader,
+        strategy=strategy,
+        resume_from=config.get("resume_from"),
+        scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0),
+    )
+    rank, _ = world()
+    if prepared.step:  # resumed: record what was restored before training on
+        restored = full_state_dict(prepared)
+        if rank == 0:
+            torch.save(restored, out / f"{tag}-restored.pt")
+    records: list[dict[str, Any]] = []
+    for _ in prepared.epochs(1000):
+        for batch in prepared.batches():
+            if name == "gpt2":
+                (ids,) = batch
+                loss = prepared.model(input_ids=ids, labels=ids).loss
+            else:
+                x, y = batch
+                with prepared.autocast():
+                    loss = torch.nn.functional.mse_loss(prepared.model(x), y)
+            if prepared.backward(loss):
+                records.append({"step": prepared.step, "loss": loss.item()})
+                prepared.report(loss=loss, checkpoint=prepared.step == config["steps"])
+                if prepared.step >= config["steps"]:
+                    break
+        if prepared.step >= config["steps"]:
+            break
+    final = full_state_dict(prepared)
+    if rank == 0:
+        torch.save(final, out / f"{tag}-final.pt")
+        (out / f"{tag}-records.json").write_text(json.dumps(records))

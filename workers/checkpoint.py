@@ -1,0 +1,268 @@
+"""shunter's checkpoints: model, optimizer, scheduler, step/epoch and every rank's RNG, sealed by a manifest.
+
+Every rank writes what it owns into its own local folder (DDP: rank 0 the unwrapped state; FSDP2: each rank its
+DCP shard; DeepSpeed: `engine.save_checkpoint`), and Ray Train merges all folders into one checkpoint. Rank 0
+writes `shunter-manifest.json` last, listing every rank's files with size and sha256: a checkpoint without a valid
+manifest is incomplete (a crash mid-save, a partial upload) and `load` refuses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from service.strategy import StrategyKind
+from workers.strategies.common import Prepared, world
+
+log = logging.getLogger(__name__)
+MANIFEST = "shunter-manifest.json"
+STATE = "shunter-state.json"
+DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "shunter"
+DCP_DIR = "dcp"
+ENV_RESUME_FROM = "SHUNTER_RESUME_FROM"  # a checkpoint path/URI a new run starts from
+
+
+class IncompleteCheckpointError(RuntimeError):
+    """The checkpoint has no manifest, or its files do not match it."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _files(directory: Path) -> dict[str, dict[str, Any]]:
+    return {
+        str(path.relative_to(directory)): {"size": path.stat().st_size, "sha256": _sha256(path)}
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name != MANIFEST
+    }
+
+
+def _gather(value: Any) -> list[Any]:
+    rank, size = world()
+    if size == 1:
+        return [value]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, value)
+    return out
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(prepared: Prepared, directory: str | Path) -> Path:
+    """Write this rank's part of a checkpoint into `directory` (call on every rank; collective)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rank, size = world()
+    kind = prepared.kind
+    if kind is StrategyKind.deepspeed:
+        prepared.engine.save_checkpoint(str(directory / DEEPSPEED_DIR), tag=DEEPSPEED_TAG)
+    elif kind is StrategyKind.fsdp:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(prepared.model, prepared.optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory / DCP_DIR))
+    elif rank == 0:
+        torch.save(prepared.module.state_dict(), directory / "model.pt")
+        torch.save(prepared.optimizer.state_dict(), directory / "optimizer.pt")
+    if rank == 0 and kind is not StrategyKind.deepspeed:  # DeepSpeed saves its scheduler itself
+        if prepared.scheduler is not None:
+            torch.save(prepared.scheduler.state_dict(), directory / "scheduler.pt")
+        if prepared.scaler is not None:
+            torch.save(prepared.scaler.state_dict(), directory / "scaler.pt")
+    with (directory / f"rng-rank{rank}.pkl").open("wb") as handle:
+        pickle.dump(rng_state(), handle)
+    state = {
+        "step": prepared.step,
+        "epoch": prepared.epoch,
+        "batch_in_epoch": prepared.batch_in_epoch,
+        "strategy": kind.value,
+        "world_size": size,
+        "extra": prepared.extra,
+    }
+    if rank == 0:
+        (directory / STATE).write_text(json.dumps(state, indent=1))
+    # The manifest comes last and covers every rank's files: only a fully written checkpoint gets one.
+    listings = _gather(_files(directory))
+    if rank == 0:
+        files: dict[str, dict[str, Any]] = {}
+        for listing in listings:
+            for name, entry in listing.items():
+                if name in files and files[name]["sha256"] != entry["sha256"]:
+                    raise RuntimeError(f"checkpoint file {name} written differently by two ranks")
+                files[name] = entry
+        manifest = {"format": 1, "step": prepared.step, "epoch": prepared.epoch, "time": time.time(), "files": files}
+        tmp = directory / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=1))
+        os.replace(tmp, directory / MANIFEST)
+    return directory
+
+
+def verify(directory: str | Path) -> dict[str, Any]:
+    """The manifest of a complete checkpoint; raises IncompleteCheckpointError otherwise."""
+    directory = Path(directory)
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise IncompleteCheckpointError(f"{directory}: no {MANIFEST}; the checkpoint was not completely written")
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError) as exc:
+        raise IncompleteCheckpointError(f"{path}: unreadable manifest ({exc})") from exc
+    for name, entry in files.items():
+        target = directory / name
+        if not target.is_file() or target.stat().st_size != entry["size"]:
+            raise IncompleteCheckpointError(f"{directory}: {name} is missing or has the wrong size")
+        if _sha256(target) != entry["sha256"]:
+            raise IncompleteCheckpointError(f"{directory}: {name} does not match its sha256")
+    return manifest
+
+
+def resume_point(resume_from: Any = None) -> Any:
+    """What to resume from: this run's latest checkpoint (a restarted worker group, or a new attempt reusing the
+    run name) wins; else `resume_from` (a ray.train.Checkpoint, path or URI); else env SHUNTER_RESUME_FROM."""
+    import ray.train
+
+    latest = ray.train.get_checkpoint()
+    if latest is not None:
+        return latest
+    if resume_from is None:
+        resume_from = os.environ.get(ENV_RESUME_FROM) or None
+    if isinstance(resume_from, str | Path):
+        return ray.train.Checkpoint(str(resume_from))
+    return resume_from
+
+
+def load(prepared: Prepared, checkpoint: Any = None) -> bool:
+    """Restore from `checkpoint` (a ray.train.Checkpoint, path or URI), default `resume_point()`.
+
+    Collective: call on every rank. Returns False when there is nothing to resume from.
+    """
+    checkpoint = resume_point(checkpoint)
+    if checkpoint is None:
+        return False
+    if isinstance(checkpoint, str | Path):
+        _load_dir(prepared, Path(checkpoint))
+    else:
+        with checkpoint.as_directory() as local:
+            _load_dir(prepared, Path(local))
+    log.info("resumed at step %d (epoch %d)", prepared.step, prepared.epoch)
+    return True
+
+
+def _load_dir(prepared: Prepared, directory: Path) -> None:
+    verify(directory)
+    state = json.loads((directory / STATE).read_text())
+    if state["strategy"] != prepared.kind.value:
+        raise IncompleteCheckpointError(
+            f"{directory}: written by strategy {state['strategy']}, cannot resume under {prepared.kind.value}"
+        )
+    rank, _ = world()
+    kind = prepared.kind
+    if kind is StrategyKind.deepspeed:
+        path, _ = prepared.engine.load_checkpoint(str(directory / DEEPSPEED_DIR), tag=DEEPSPEED_TAG)
+        if path is None:
+            raise IncompleteCheckpointError(f"{directory}: DeepSpeed could not load its checkpoint")
+    elif kind is StrategyKind.fsdp:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(prepared.model, prepared.optimizer)
+        target = {"model": model_state, "optim": optim_state}
+        dcp.load(target, checkpoint_id=str(directory / DCP_DIR))
+        set_state_dict(
+            prepared.model, prepared.optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"]
+        )
+    else:
+        prepared.module.load_state_dict(torch.load(directory / "model.pt", map_location=prepared.device))
+        prepared.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location=prepared.device))
+    if kind is not StrategyKind.deepspeed:
+        if prepared.scheduler is not None and (directory / "scheduler.pt").is_file():
+            prepared.scheduler.load_state_dict(torch.load(directory / "scheduler.pt"))
+        if prepared.scaler is not None and (directory / "scaler.pt").is_file():
+            prepared.scaler.load_state_dict(torch.load(directory / "scaler.pt"))
+    rng = directory / f"rng-rank{rank}.pkl"
+    if rng.is_file():  # absent when the world size grew; those ranks keep their fresh RNG
+        with rng.open("rb") as handle:
+            set_rng_state(pickle.load(handle))  # noqa: S301 - our own file, verified by the manifest
+    prepared.resume_at(step=state["step"], epoch=state["epoch"], batch_in_epoch=state["batch_in_epoch"])
+    prepared.extra.update(state.get("extra") or {})
+
+
+def report(prepared: Prepared, metrics: dict[str, Any], *, checkpoint: bool = False) -> None:
+    """`ray.train.report` from every rank, with this rank's part of a checkpoint when asked."""
+    import ray.train
+
+    if not checkpoint:
+        ray.train.report(metrics)
+        return
+    local = Path(tempfile.mkdtemp(prefix="shunter-ckpt-"))
+    try:
+        save(prepared, local)
+        ray.train.report(
+            metrics,
+            checkpoint=ray.train.Checkpoint.from_directory(str(local)),
+            checkpoint_dir_name=f"checkpoint-step{prepared.step:08d}",
+        )
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+def full_state_dict(prepared: Prepared) -> dict[str, torch.Tensor] | None:
+    """The whole unsharded model state on CPU at rank 0 (None elsewhere); collective for FSDP and ZeRO-3."""
+    rank, _ = world()
+    kind = prepared.kind
+    if kind is StrategyKind.fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(prepared.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if rank == 0 else None
+    if kind is StrategyKind.deepspeed and prepared.engine.zero_optimization_stage() == 3:
+        import deepspeed
+
+        module = prepared.module
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if rank == 0 else None
+        return state
+    if rank != 0:
+        return None
+    return {k: v.detach().cpu().clone() for k, v in prepared.module.state_dict().items()}
