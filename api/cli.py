@@ -1,0 +1,318 @@
+"""`shunter`: run the service (`serve`, `api`, `dispatcher`) and talk to it (`submit`, `status`, `watch`, ...).
+
+The client commands are plain clients of the REST API (`api.client`); they work against any shunter server.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from api.client import ApiError, Client
+
+app = typer.Typer(help="shunter: a durable queue in front of Ray Train.", no_args_is_help=True, add_completion=False)
+console = Console()
+err = Console(stderr=True)
+
+ServerOpt = Annotated[str, typer.Option("--server", "-s", envvar="SHUNTER_URL", help="shunter API base URL")]
+TokenOpt = Annotated[str | None, typer.Option("--token", envvar="SHUNTER_TOKEN", help="API bearer token")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
+DEFAULT_URL = "http://127.0.0.1:8080"
+TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+def _client(server: str, token: str | None) -> Client:
+    return Client(server, token=token)
+
+
+def _fail(exc: Exception) -> None:
+    err.print(f"[red]error:[/red] {exc}")
+    raise typer.Exit(1 if isinstance(exc, ApiError) and exc.status_code < 500 else 2)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+# ---- processes --------------------------------------------------------------------------------------------------
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="bind address (default SHUNTER_HOST)")] = None,
+    port: Annotated[int | None, typer.Option(help="port (default SHUNTER_PORT)")] = None,
+    insecure: Annotated[bool, typer.Option(help="allow a non-loopback bind without API tokens")] = False,
+) -> None:
+    """Everything on one machine: API + dispatcher + a local Ray head (unless SHUNTER_RAY_ADDRESS) + the database."""
+    import uvicorn
+
+    from api.app import create_app
+    from service.settings import get_settings
+
+    _logging()
+    settings = get_settings()
+    settings = settings.model_copy(update={"host": host or settings.host, "port": port or settings.port})
+    _refuse_open_bind(settings.host, bool(settings.api_tokens), insecure)
+    application = create_app(
+        settings,
+        run_dispatcher=True,
+        manage_local_ray=True,
+        dispatcher_id=settings.resolved_dispatcher_id(stable=True),
+    )
+    uvicorn.run(application, host=settings.host, port=settings.port, log_level="info")
+
+
+@app.command("api")
+def api_server(
+    host: Annotated[str | None, typer.Option()] = None,
+    port: Annotated[int | None, typer.Option()] = None,
+    insecure: Annotated[bool, typer.Option(help="allow a non-loopback bind without API tokens")] = False,
+) -> None:
+    """The HTTP API alone (run any number), against SHUNTER_DATABASE_URL and SHUNTER_RAY_ADDRESS."""
+    import uvicorn
+
+    from api.app import create_app
+    from service.settings import get_settings
+
+    _logging()
+    settings = get_settings()
+    settings = settings.model_copy(update={"host": host or settings.host, "port": port or settings.port})
+    _refuse_open_bind(settings.host, bool(settings.api_tokens), insecure)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+
+
+@app.command()
+def dispatcher() -> None:
+    """A dispatcher loop alone (run any number against one database)."""
+    from service.runtime import Runtime
+    from service.settings import get_settings
+
+    _logging()
+    settings = get_settings()
+    runtime = Runtime.open(settings)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    owner = settings.resolved_dispatcher_id()
+    from service.dispatcher import Dispatcher
+
+    Dispatcher(engine=runtime.engine, settings=settings, ray=runtime.ray, owner=owner).run(stop)
+    runtime.close()
+
+
+def _refuse_open_bind(host: str, has_tokens: bool, insecure: bool) -> None:
+    if not _is_loopback(host) and not has_tokens and not insecure:
+        err.print(
+            f"[red]refusing to bind {host} without API tokens[/red]: set SHUNTER_API_TOKENS, "
+            "bind 127.0.0.1, or pass --insecure"
+        )
+        raise typer.Exit(2)
+
+
+# ---- client commands --------------------------------------------------------------------------------------------
+def _load_spec(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        err.print(f"[red]cannot read {path}:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    if not isinstance(data, dict):
+        err.print(f"[red]{path} is not a job spec (a mapping)[/red]")
+        raise typer.Exit(2)
+    return data
+
+
+@app.command()
+def submit(
+    file: Annotated[Path, typer.Argument(help="job spec, YAML or JSON")],
+    server: ServerOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    idempotency_key: Annotated[str | None, typer.Option("--idempotency-key")] = None,
+    watch_it: Annotated[bool, typer.Option("--watch", "-w", help="then watch it to the end")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Queue a job; prints its id."""
+    with _client(server, token) as c:
+        try:
+            job = c.submit(_load_spec(file), idempotency_key=idempotency_key)
+        except ApiError as exc:
+            if exc.body.get("errors"):
+                for e in exc.body["errors"]:
+                    err.print(f"[red]{e['field']}[/red]: {e['message']}")
+            _fail(exc)
+            return
+    if as_json:
+        console.print_json(job.model_dump_json())
+    else:
+        console.print(f"submitted [bold]{job.id}[/bold] ({job.name}) state={job.state}")
+    if watch_it:
+        watch(job.id, server=server, token=token)
+
+
+@app.command()
+def status(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
+    """One job: state, attempt, step, loss, checkpoint, error."""
+    with _client(server, token) as c:
+        try:
+            job = c.get(job_id)
+        except ApiError as exc:
+            _fail(exc)
+            return
+    if as_json:
+        console.print_json(job.model_dump_json())
+        return
+    table = Table(show_header=False, box=None)
+    for key in ("id", "name", "state", "state_reason", "attempt", "step", "loss", "latest_checkpoint", "end_reason",
+                "last_error", "created_at", "started_at", "finished_at", "ray_submission_id", "ray_dashboard_url"):  # fmt: skip
+        value = getattr(job, key)
+        if value is not None:
+            table.add_row(f"[bold]{key}[/bold]", str(value))
+    console.print(table)
+
+
+@app.command("list")
+def list_cmd(
+    state: Annotated[str | None, typer.Option(help="only jobs in this state")] = None,
+    limit: Annotated[int, typer.Option()] = 50,
+    server: ServerOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Jobs, newest first."""
+    with _client(server, token) as c:
+        try:
+            page = c.list(state=state.upper() if state else None, limit=limit)
+        except ApiError as exc:
+            _fail(exc)
+            return
+    if as_json:
+        console.print_json(page.model_dump_json())
+        return
+    table = Table("id", "name", "state", "attempt", "step", "loss", "created")
+    for job in page.items:
+        loss = f"{job.loss:.4f}" if job.loss is not None else ""
+        table.add_row(job.id, job.name, job.state, str(job.attempt), str(job.step or ""), loss,
+                      job.created_at.strftime("%Y-%m-%d %H:%M:%S"))  # fmt: skip
+    console.print(table)
+
+
+@app.command()
+def cancel(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
+    """Cancel a job (its Ray Job is stopped)."""
+    with _client(server, token) as c:
+        try:
+            body = c.cancel(job_id)
+        except ApiError as exc:
+            _fail(exc)
+            return
+    console.print(f"{job_id}: {body['detail']} (state {body['state']})")
+
+
+@app.command()
+def retry(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
+    """Queue a FAILED or CANCELLED job again, resuming from its last good checkpoint."""
+    with _client(server, token) as c:
+        try:
+            body = c.retry(job_id)
+        except ApiError as exc:
+            _fail(exc)
+            return
+    console.print(f"{job_id}: {body['detail']} (state {body['state']})")
+
+
+@app.command()
+def logs(
+    job_id: str,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="stream until the job ends")] = False,
+    attempt: Annotated[int | None, typer.Option(help="which attempt (default: the latest)")] = None,
+    server: ServerOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+) -> None:
+    """The job's driver and worker output."""
+    with _client(server, token) as c:
+        try:
+            if follow:
+                for chunk in c.follow_logs(job_id, attempt=attempt):
+                    sys.stdout.write(chunk)
+                    sys.stdout.flush()
+            else:
+                sys.stdout.write(c.logs(job_id, attempt=attempt))
+        except ApiError as exc:
+            _fail(exc)
+
+
+@app.command()
+def events(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
+    """The job's timeline: every state change with time and reason."""
+    with _client(server, token) as c:
+        try:
+            rows = c.events(job_id)
+        except ApiError as exc:
+            _fail(exc)
+            return
+    if as_json:
+        console.print_json(json.dumps([r.model_dump(mode="json") for r in rows]))
+        return
+    table = Table("time", "kind", "change", "reason", "message")
+    for e in rows:
+        change = f"{e.from_state or ''} → {e.to_state}" if e.to_state else ""
+        table.add_row(e.at.strftime("%H:%M:%S.%f")[:-3], e.kind, change, e.reason, (e.message or "")[:80])
+    console.print(table)
+
+
+@app.command()
+def watch(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
+    """Follow a job to its end with a progress bar (step / total, loss, ETA) and its state changes."""
+    with _client(server, token) as c:
+        try:
+            job = c.get(job_id)
+        except ApiError as exc:
+            _fail(exc)
+            return
+        total = job.spec.get("config", {}).get("total_steps") or job.spec.get("config", {}).get("steps")
+        seen_events = 0
+        columns = [TextColumn("[bold]{task.fields[state]}"), BarColumn(), TextColumn("step {task.completed:.0f}"),
+                   TextColumn("{task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn()]  # fmt: skip
+        with Progress(*columns, console=console) as progress:
+            task = progress.add_task(job.name, total=total, state=job.state, loss="")
+            while True:
+                job = c.get(job_id)
+                for e in c.events(job_id, after=seen_events):
+                    seen_events = e.id
+                    if e.to_state:
+                        progress.console.print(f"{e.at:%H:%M:%S} {e.from_state or '·'} → {e.to_state} ({e.reason})")
+                loss = f"loss {job.loss:.4f}" if job.loss is not None else ""
+                progress.update(task, completed=job.step or 0, state=job.state, loss=loss)
+                if job.state in TERMINAL:
+                    break
+                time.sleep(0.5)
+    style = "green" if job.state == "SUCCEEDED" else "red"
+    console.print(f"[{style}]{job.id} {job.state}[/{style}]" + (f": {job.last_error}" if job.last_error else ""))
+    if job.latest_checkpoint:
+        console.print(f"latest checkpoint: {job.latest_checkpoint}")
+    if job.state != "SUCCEEDED":
+        raise typer.Exit(1)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,108 @@
+"""A typed Python client of the v1 API (httpx); the CLI and the tests use it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+from api.schemas import AttemptPublic, CheckpointPublic, EventPublic, JobList, JobPublic, MetricPoint
+
+
+class ApiError(Exception):
+    """A 4xx/5xx answer; carries the server's JSON body."""
+
+    def __init__(self, status_code: int, body: dict[str, Any]) -> None:
+        self.status_code = status_code
+        self.body = body
+        self.code = body.get("code")
+        super().__init__(f"HTTP {status_code}: {body.get('detail', body)}")
+
+
+class Client:
+    def __init__(self, base_url: str = "http://127.0.0.1:8080", *, token: str | None = None, timeout: float = 30.0):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        r = self.http.request(method, path, **kwargs)
+        if r.status_code >= 400:
+            try:
+                body = r.json()
+            except ValueError:
+                body = {"detail": r.text}
+            raise ApiError(r.status_code, body if isinstance(body, dict) else {"detail": body})
+        return r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
+
+    def submit(self, spec: dict[str, Any], *, idempotency_key: str | None = None) -> JobPublic:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return JobPublic.model_validate(self._call("POST", "/v1/jobs", json=spec, headers=headers))
+
+    def get(self, job_id: str) -> JobPublic:
+        return JobPublic.model_validate(self._call("GET", f"/v1/jobs/{job_id}"))
+
+    def list(self, *, state: str | None = None, limit: int = 50, cursor: str | None = None, **filters: str) -> JobList:
+        params = {k: v for k, v in {"state": state, "limit": limit, "cursor": cursor, **filters}.items() if v}
+        return JobList.model_validate(self._call("GET", "/v1/jobs", params=params))
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return dict(self._call("POST", f"/v1/jobs/{job_id}/cancel"))
+
+    def retry(self, job_id: str) -> dict[str, Any]:
+        return dict(self._call("POST", f"/v1/jobs/{job_id}/retry"))
+
+    def events(self, job_id: str, *, after: int = 0) -> list[EventPublic]:
+        return [
+            EventPublic.model_validate(e)
+            for e in self._call("GET", f"/v1/jobs/{job_id}/events", params={"after": after})
+        ]
+
+    def attempts(self, job_id: str) -> list[AttemptPublic]:
+        return [AttemptPublic.model_validate(a) for a in self._call("GET", f"/v1/jobs/{job_id}/attempts")]
+
+    def checkpoints(self, job_id: str) -> list[CheckpointPublic]:
+        return [CheckpointPublic.model_validate(c) for c in self._call("GET", f"/v1/jobs/{job_id}/checkpoints")]
+
+    def metrics(self, job_id: str, *, name: str | None = None) -> list[MetricPoint]:
+        params = {"name": name} if name else {}
+        return [MetricPoint.model_validate(m) for m in self._call("GET", f"/v1/jobs/{job_id}/metrics", params=params)]
+
+    def logs(self, job_id: str, *, attempt: int | None = None) -> str:
+        params = {"attempt": attempt} if attempt else {}
+        return str(self._call("GET", f"/v1/jobs/{job_id}/logs", params=params))
+
+    def follow_logs(self, job_id: str, *, attempt: int | None = None) -> Iterator[str]:
+        params: dict[str, Any] = {"follow": "true", **({"attempt": attempt} if attempt else {})}
+        with self.http.stream("GET", f"/v1/jobs/{job_id}/logs", params=params, timeout=None) as r:
+            if r.status_code >= 400:
+                r.read()
+                raise ApiError(r.status_code, r.json())
+            yield from r.iter_text()
+
+    def health(self) -> dict[str, Any]:
+        return dict(self._call("GET", "/healthz"))
+
+    def ready(self) -> bool:
+        return self.http.get("/readyz").status_code == 200
+
+    def wait(self, job_id: str, *, timeout: float = 600.0, interval: float = 0.5) -> JobPublic:
+        """Poll until the job ends (SUCCEEDED, FAILED or CANCELLED)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            job = self.get(job_id)
+            if job.state in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                return job
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} still {job.state} after {timeout:.0f}s")
+            time.sleep(interval)

@@ -1,0 +1,60 @@
+"""Dependencies the routes share: the runtime, a session per request, the caller."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+from sqlmodel import Session
+
+from service.errors import Unauthorized
+from service.jobs import Caller
+from service.runtime import Runtime
+from service.settings import Settings
+
+
+def get_runtime(request: Request) -> Runtime:
+    return request.app.state.runtime  # type: ignore[no-any-return]
+
+
+def get_settings_dep(request: Request) -> Settings:
+    return request.app.state.runtime.settings  # type: ignore[no-any-return]
+
+
+def get_session(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Iterator[Session]:
+    with Session(runtime.engine, expire_on_commit=False) as session:
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+
+
+def get_caller(
+    settings: Annotated[Settings, Depends(get_settings_dep)],
+    authorization: Annotated[str | None, Header()] = None,
+) -> Caller:
+    """Without configured tokens everyone is an admin (loopback use); with them a valid Bearer token is required."""
+    tokens = settings.api_tokens
+    if not tokens:
+        return Caller(owner="anonymous", admin=True)
+    scheme, _, presented = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not presented:
+        raise Unauthorized("missing 'Authorization: Bearer <token>' header")
+    match = None
+    # Compare against every token in constant time, so timing tells nothing about how close a guess was.
+    for token, info in tokens.items():
+        if hmac.compare_digest(token.encode(), presented.encode()):
+            match = info
+    if match is None:
+        raise Unauthorized("unknown token")
+    return Caller(owner=str(match.get("owner", "unknown")), admin=bool(match.get("admin", False)))
+
+
+RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
+SessionDep = Annotated[Session, Depends(get_session)]
+CallerDep = Annotated[Caller, Depends(get_caller)]
+SettingsDep = Annotated[Settings, Depends(get_settings_dep)]

@@ -1,0 +1,97 @@
+"""Response bodies of the v1 API (requests are `service.spec.JobSpec`)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+class JobPublic(_Out):
+    id: str
+    name: str
+    owner: str
+    queue: str
+    priority: int
+    state: str
+    state_reason: str | None = None
+    attempt: int
+    step: int | None = None
+    loss: float | None = None
+    latest_metrics: dict[str, float] | None = None
+    latest_checkpoint: str | None = None
+    end_reason: str | None = None
+    last_error: str | None = None
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    progress_at: datetime | None = None
+    ray_submission_id: str | None = None
+    ray_dashboard_url: str | None = None
+    spec: dict[str, Any]
+
+
+class JobList(BaseModel):
+    items: list[JobPublic]
+    next_cursor: str | None = None
+
+
+class EventPublic(_Out):
+    id: int
+    job_id: str
+    kind: str
+    from_state: str | None = None
+    to_state: str | None = None
+    reason: str
+    message: str | None = None
+    attempt: int | None = None
+    actor: str | None = None
+    at: datetime
+
+
+class AttemptPublic(_Out):
+    number: int
+    submission_id: str
+    submitted: bool
+    ray_status: str | None = None
+    started_at: datetime
+    ended_at: datetime | None = None
+    end_reason: str | None = None
+    message: str | None = None
+
+
+class CheckpointPublic(_Out):
+    id: int
+    attempt: int
+    step: int | None = None
+    uri: str
+    metrics: dict[str, Any] | None = None
+    complete: bool
+    created_at: datetime
+
+
+class MetricPoint(_Out):
+    step: int | None = None
+    name: str
+    value: float
+    attempt: int
+    at: datetime
+
+
+class Accepted(BaseModel):
+    id: str
+    state: str
+    detail: str
+
+
+class ErrorBody(BaseModel):
+    detail: str
+    code: str
+    field: str | None = None
+    errors: list[dict[str, Any]] | None = None

@@ -1,0 +1,57 @@
+"""Engine and sessions. SQLite (a real file, WAL) for one machine; PostgreSQL for many processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, SQLModel, create_engine
+
+from service import models  # noqa: F401  (registers the tables on SQLModel.metadata)
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    """An engine with the settings each backend needs to be safe under several processes."""
+    if url.startswith("sqlite"):
+        connect_args = {"check_same_thread": False, "timeout": 30}
+        engine = create_engine(url, connect_args=connect_args, **kwargs)
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+            # WAL lets readers run beside the writer; busy_timeout makes writers queue instead of failing.
+            # isolation_level=None hands transaction control to the BEGIN below.
+            dbapi_conn.isolation_level = None
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _sqlite_begin_immediate(conn: Any) -> None:
+            # Take the write lock at BEGIN: a read-then-write transaction can then never fail on upgrade
+            # ("database is locked") halfway, which is what makes the guarded claim safe across processes.
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, **kwargs)
+
+
+def create_schema(engine: Engine) -> None:
+    SQLModel.metadata.create_all(engine)
+
+
+@contextmanager
+def session_scope(engine: Engine) -> Iterator[Session]:
+    """One transaction: commit on success, roll back on error."""
+    with Session(engine, expire_on_commit=False) as session:
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise

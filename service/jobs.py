@@ -1,0 +1,228 @@
+"""Job use cases the API calls: submit, read, list, cancel. They record intent; the dispatcher acts on Ray."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import func
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, col, select
+
+from service.errors import Conflict, InvalidSpec, NotFound, StaleWrite
+from service.models import Attempt, Checkpoint, ClusterSnapshot, Job, JobEvent, JobState, Metric, utcnow
+from service.spec import JobSpec
+from service.state import record_event, transition
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is asking: jobs are visible to their owner, and to admins."""
+
+    owner: str = "anonymous"
+    admin: bool = True
+
+    def may_see(self, job: Job) -> bool:
+        return self.admin or job.owner == self.owner
+
+
+def spec_hash(spec: JobSpec) -> str:
+    return hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+def check_fits_cluster(spec: JobSpec, snapshot: ClusterSnapshot | None) -> None:
+    """Refuse what the cluster (as last seen by a dispatcher) can never run. No snapshot yet: nothing to check."""
+    if snapshot is None or not snapshot.nodes:
+        return
+    res = spec.resources
+    if res.use_gpu and snapshot.total.get("GPU", 0.0) <= 0:
+        raise InvalidSpec(
+            "resources.use_gpu: the Ray cluster has no GPUs; set use_gpu: false to train on CPU",
+            field="resources.use_gpu",
+        )
+    per_worker = res.per_worker()
+    nodes = [n for n in snapshot.nodes if n.get("alive", True)]
+    if not any(all(n["total"].get(k, 0.0) >= v for k, v in per_worker.items()) for n in nodes):
+        largest = {k: max(n["total"].get(k, 0.0) for n in nodes) for k in per_worker}
+        raise InvalidSpec(
+            f"resources.resources_per_worker: one worker needs {per_worker}, more than any node has "
+            f"(largest per resource: {largest})",
+            field="resources.resources_per_worker",
+        )
+    # How many workers fit on the whole cluster, node by node (a worker never spans nodes).
+    capacity = sum(int(min(n["total"].get(k, 0.0) // v for k, v in per_worker.items())) for n in nodes)
+    if res.num_workers > capacity:
+        raise InvalidSpec(
+            f"resources.num_workers: {res.num_workers} workers of {per_worker} can never fit; "
+            f"the cluster holds at most {capacity}",
+            field="resources.num_workers",
+        )
+
+
+def submit(session: Session, spec: JobSpec, *, caller: Caller, idempotency_key: str | None = None) -> tuple[Job, bool]:
+    """Queue a job. Returns (job, created); a replay of the same idempotency key and body returns the first job."""
+    digest = spec_hash(spec)
+    if idempotency_key:
+        existing = session.exec(
+            select(Job).where(Job.owner == caller.owner, Job.idempotency_key == idempotency_key)
+        ).first()
+        if existing is not None:
+            return _replay(existing, digest, idempotency_key)
+    check_fits_cluster(spec, session.get(ClusterSnapshot, 1))
+    job = Job(
+        name=spec.name,
+        owner=caller.owner,
+        queue=spec.queue,
+        priority=spec.priority,
+        spec=spec.model_dump(mode="json"),
+        idempotency_key=idempotency_key,
+        spec_hash=digest,
+        state_reason="waiting for resources",
+    )
+    session.add(job)
+    session.add(JobEvent(job_id=job.id, kind="state", to_state=JobState.QUEUED, reason="submitted", attempt=0))
+    try:
+        session.flush()
+    except IntegrityError:
+        # Two replays of one key raced: the loser returns the winner's job.
+        session.rollback()
+        if idempotency_key:
+            existing = session.exec(
+                select(Job).where(Job.owner == caller.owner, Job.idempotency_key == idempotency_key)
+            ).one()
+            return _replay(existing, digest, idempotency_key)
+        raise
+    return job, True
+
+
+def _replay(existing: Job, digest: str, key: str) -> tuple[Job, bool]:
+    if existing.spec_hash != digest:
+        raise Conflict(f"Idempotency-Key {key!r} was used for a different job spec (job {existing.id})")
+    return existing, False
+
+
+def get(session: Session, job_id: str, *, caller: Caller) -> Job:
+    job = session.get(Job, job_id)
+    if job is None or not caller.may_see(job):
+        raise NotFound(f"no job {job_id!r}")
+    return job
+
+
+def list_jobs(
+    session: Session,
+    *,
+    caller: Caller,
+    state: JobState | None = None,
+    queue: str | None = None,
+    name: str | None = None,
+    limit: int = 50,
+    before: tuple[datetime, str] | None = None,
+) -> list[Job]:
+    """Newest first; `before` is a (created_at, id) cursor, stable while new jobs arrive."""
+    query = select(Job)
+    if not caller.admin:
+        query = query.where(Job.owner == caller.owner)
+    if state is not None:
+        query = query.where(Job.state == state)
+    if queue is not None:
+        query = query.where(Job.queue == queue)
+    if name is not None:
+        query = query.where(Job.name == name)
+    if before is not None:
+        created, job_id = before
+        query = query.where(
+            (col(Job.created_at) < created) | ((col(Job.created_at) == created) & (col(Job.id) < job_id))
+        )
+    query = query.order_by(col(Job.created_at).desc(), col(Job.id).desc()).limit(limit)
+    return list(session.exec(query).all())
+
+
+def cancel(session: Session, job_id: str, *, caller: Caller) -> Job:
+    """Ask for a cancel: a queued job ends at once; an admitted one goes CANCELLING and the dispatcher stops it."""
+    for _ in range(5):
+        job = get(session, job_id, caller=caller)
+        session.refresh(job)
+        state = JobState(job.state)
+        if state.is_terminal:
+            raise Conflict(f"job {job_id} already ended {state.value}; nothing to cancel")
+        if state is JobState.CANCELLING:
+            return job
+        try:
+            to = JobState.CANCELLED if state is JobState.QUEUED else JobState.CANCELLING
+            values = {"cancel_requested": True}
+            if to is JobState.CANCELLED:
+                values["end_reason"] = "cancelled"
+            return transition(session, job, to=to, reason="cancel_requested", actor=caller.owner, values=values)
+        except StaleWrite:
+            continue  # a dispatcher moved it (e.g. QUEUED -> STARTING) between read and write: read again
+    raise Conflict(f"job {job_id} is changing state too fast to cancel; try again")
+
+
+def retry(session: Session, job_id: str, *, caller: Caller) -> Job:
+    """Put an ended (FAILED or CANCELLED) job back in the queue; it resumes from its last good checkpoint."""
+    job = get(session, job_id, caller=caller)
+    state = JobState(job.state)
+    if state not in (JobState.FAILED, JobState.CANCELLED):
+        raise Conflict(f"job {job_id} is {state.value}; only FAILED or CANCELLED jobs can be retried")
+    return transition(
+        session,
+        job,
+        to=JobState.QUEUED,
+        reason="retry_requested",
+        actor=caller.owner,
+        values={"cancel_requested": False, "end_reason": None, "last_error": None, "not_before": None},
+    )
+
+
+def events(session: Session, job: Job, *, after_id: int = 0) -> list[JobEvent]:
+    query = select(JobEvent).where(JobEvent.job_id == job.id, col(JobEvent.id) > after_id)
+    return list(session.exec(query.order_by(col(JobEvent.id))).all())
+
+
+def attempts(session: Session, job: Job) -> list[Attempt]:
+    return list(session.exec(select(Attempt).where(Attempt.job_id == job.id).order_by(col(Attempt.number))).all())
+
+
+def checkpoints(session: Session, job: Job) -> list[Checkpoint]:
+    query = select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(col(Checkpoint.id))
+    return list(session.exec(query).all())
+
+
+def metric_series(session: Session, job: Job, *, name: str | None = None, limit: int = 10_000) -> list[Metric]:
+    query = select(Metric).where(Metric.job_id == job.id)
+    if name:
+        query = query.where(Metric.name == name)
+    return list(session.exec(query.order_by(col(Metric.id)).limit(limit)).all())
+
+
+def count_by_state(session: Session) -> dict[str, int]:
+    rows = session.exec(select(Job.state, func.count()).group_by(Job.state)).all()
+    return {JobState(s).value: int(n) for s, n in rows}
+
+
+def current_attempt(session: Session, job: Job) -> Attempt | None:
+    if job.attempt == 0:
+        return None
+    return session.exec(select(Attempt).where(Attempt.job_id == job.id, Attempt.number == job.attempt)).first()
+
+
+def now() -> datetime:
+    return utcnow()
+
+
+__all__ = [
+    "Caller",
+    "attempts",
+    "cancel",
+    "checkpoints",
+    "current_attempt",
+    "events",
+    "get",
+    "list_jobs",
+    "metric_series",
+    "record_event",
+    "retry",
+    "submit",
+]

@@ -1,0 +1,210 @@
+"""SQL tables (SQLModel). The state column of `Job` is written only by `service.state.transition`."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timezone
+from enum import Enum
+from typing import Any
+
+from sqlalchemy import JSON, Column, DateTime, Index, Text
+from sqlalchemy.types import TypeDecorator
+from sqlmodel import Field, SQLModel
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def new_job_id() -> str:
+    return "j" + uuid.uuid4().hex[:15]
+
+
+class JobState(str, Enum):
+    QUEUED = "QUEUED"
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    CANCELLING = "CANCELLING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+    @property
+    def is_active(self) -> bool:
+        """Admitted to Ray and not yet ended: a dispatcher must hold a lease on it."""
+        return self in ACTIVE_STATES
+
+
+TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+ACTIVE_STATES = frozenset({JobState.STARTING, JobState.RUNNING, JobState.CANCELLING})
+
+
+class EndReason(str, Enum):
+    """Why an attempt (or a job) ended. Distinct causes get distinct names: the retry policy reads them."""
+
+    SUCCEEDED = "succeeded"
+    USER_ERROR = "user_error"  # the user's code raised or exited non-zero
+    OUT_OF_MEMORY = "out_of_memory"
+    WORKER_LOST = "worker_lost"
+    NODE_LOST = "node_lost"
+    COLLECTIVE_TIMEOUT = "collective_timeout"
+    NO_RESOURCES = "no_resources"
+    TIMEOUT = "timeout"
+    CANCELLED = "cancelled"
+    INFRA = "infra"  # Ray or shunter itself failed: submission refused, driver vanished, head restarted
+
+    def is_retryable(self) -> bool:
+        return self in {
+            EndReason.WORKER_LOST,
+            EndReason.NODE_LOST,
+            EndReason.COLLECTIVE_TIMEOUT,
+            EndReason.INFRA,
+            EndReason.OUT_OF_MEMORY,
+        }
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC on every backend (SQLite keeps no zone: store naive UTC, hand back aware)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        value = value.astimezone(timezone.utc)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        return value
+
+
+def _tz() -> Any:
+    return Column(UTCDateTime())
+
+
+class Job(SQLModel, table=True):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        # The queue query: state='QUEUED' ORDER BY priority DESC, created_at — at any depth.
+        Index("ix_jobs_queue_order", "state", "priority", "created_at"),
+        Index("ix_jobs_created", "created_at"),
+        Index("ix_jobs_lease", "state", "lease_expires_at"),
+        Index("ux_jobs_idempotency", "owner", "idempotency_key", unique=True),
+    )
+
+    id: str = Field(default_factory=new_job_id, primary_key=True, max_length=32)
+    name: str = Field(max_length=128)
+    owner: str = Field(default="anonymous", max_length=128, index=True)
+    queue: str = Field(default="default", max_length=64, index=True)
+    priority: int = 0
+    state: JobState = Field(default=JobState.QUEUED, max_length=16)
+    state_reason: str | None = Field(default=None, sa_column=Column(Text))
+    spec: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    attempt: int = 0
+    cancel_requested: bool = False
+    idempotency_key: str | None = Field(default=None, max_length=255)
+    spec_hash: str | None = Field(default=None, max_length=64)
+
+    created_at: datetime = Field(default_factory=utcnow, sa_column=_tz())
+    updated_at: datetime = Field(default_factory=utcnow, sa_column=_tz())
+    started_at: datetime | None = Field(default=None, sa_column=_tz())
+    finished_at: datetime | None = Field(default=None, sa_column=_tz())
+    not_before: datetime | None = Field(default=None, sa_column=_tz())  # retry backoff
+
+    lease_owner: str | None = Field(default=None, max_length=255)
+    lease_token: str | None = Field(default=None, max_length=64)
+    lease_expires_at: datetime | None = Field(default=None, sa_column=_tz())
+
+    end_reason: EndReason | None = Field(default=None, max_length=32)
+    last_error: str | None = Field(default=None, sa_column=Column(Text))
+
+    # Progress, written by the job's own Train callback (fenced by attempt), read by status without asking Ray.
+    step: int | None = None
+    latest_metrics: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    latest_checkpoint: str | None = Field(default=None, sa_column=Column(Text))
+    progress_at: datetime | None = Field(default=None, sa_column=_tz())
+
+
+class Attempt(SQLModel, table=True):
+    __tablename__ = "attempts"
+    __table_args__ = (Index("ux_attempts_job_number", "job_id", "number", unique=True),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    job_id: str = Field(foreign_key="jobs.id", max_length=32)
+    number: int
+    submission_id: str = Field(max_length=128, unique=True)
+    submitted: bool = False  # Ray accepted the submission (or we adopted an existing one)
+    ray_status: str | None = Field(default=None, max_length=16)
+    resume_from: str | None = Field(default=None, sa_column=Column(Text))
+    started_at: datetime = Field(default_factory=utcnow, sa_column=_tz())
+    ended_at: datetime | None = Field(default=None, sa_column=_tz())
+    end_reason: EndReason | None = Field(default=None, max_length=32)
+    message: str | None = Field(default=None, sa_column=Column(Text))
+    log_uri: str | None = Field(default=None, sa_column=Column(Text))
+
+
+class JobEvent(SQLModel, table=True):
+    """Append-only history. Every state change writes one, in the same transaction."""
+
+    __tablename__ = "job_events"
+    __table_args__ = (Index("ix_events_job", "job_id", "id"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    job_id: str = Field(foreign_key="jobs.id", max_length=32)
+    kind: str = Field(default="state", max_length=32)  # state | submitted | checkpoint | retry | ...
+    from_state: JobState | None = Field(default=None, max_length=16)
+    to_state: JobState | None = Field(default=None, max_length=16)
+    reason: str = Field(max_length=64)
+    message: str | None = Field(default=None, sa_column=Column(Text))
+    attempt: int | None = None
+    actor: str | None = Field(default=None, max_length=255)
+    at: datetime = Field(default_factory=utcnow, sa_column=_tz())
+
+
+class Checkpoint(SQLModel, table=True):
+    __tablename__ = "checkpoints"
+    __table_args__ = (Index("ix_checkpoints_job", "job_id", "id"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    job_id: str = Field(foreign_key="jobs.id", max_length=32)
+    attempt: int
+    step: int | None = None
+    uri: str = Field(sa_column=Column(Text, nullable=False))
+    metrics: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    complete: bool = True
+    created_at: datetime = Field(default_factory=utcnow, sa_column=_tz())
+
+
+class Metric(SQLModel, table=True):
+    __tablename__ = "metrics"
+    __table_args__ = (Index("ix_metrics_job_name", "job_id", "name", "step"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    job_id: str = Field(foreign_key="jobs.id", max_length=32)
+    attempt: int
+    step: int | None = None
+    name: str = Field(max_length=128)
+    value: float
+    at: datetime = Field(default_factory=utcnow, sa_column=_tz())
+
+
+class ClusterSnapshot(SQLModel, table=True):
+    """The dispatcher's latest view of Ray's resources, so the API answers without calling Ray."""
+
+    __tablename__ = "cluster_snapshots"
+
+    id: int = Field(default=1, primary_key=True)
+    dashboard_url: str | None = Field(default=None, sa_column=Column(Text))
+    nodes: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    total: dict[str, float] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    available: dict[str, float] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    taken_at: datetime = Field(default_factory=utcnow, sa_column=_tz())

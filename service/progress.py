@@ -1,0 +1,86 @@
+"""Progress written from inside Ray (the job's Train controller and driver), fenced by attempt.
+
+A write lands only while the job is still on the attempt that reports it and not ended, so a zombie of an old
+attempt can never overwrite the progress of the new one. These writes never touch `Job.state`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+from sqlalchemy import update
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, select
+
+from service.db import make_engine
+from service.models import ACTIVE_STATES, Attempt, Checkpoint, EndReason, Job, JobEvent, Metric, utcnow
+
+
+@functools.lru_cache(maxsize=4)
+def engine_for(url: str) -> Engine:
+    return make_engine(url)
+
+
+def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if math.isfinite(float(value)):
+            out[key] = float(value)
+    return out
+
+
+def record_report(
+    engine: Engine,
+    *,
+    job_id: str,
+    attempt: int,
+    metrics: dict[str, Any],
+    checkpoint_uri: str | None = None,
+    report_index: int = 0,
+) -> bool:
+    """Store one `ray.train.report` (rank 0's metrics, and the checkpoint if any). False if fenced off."""
+    numeric = _numeric(metrics)
+    step = int(metrics["step"]) if isinstance(metrics.get("step"), int | float) else report_index
+    now = utcnow()
+    with Session(engine) as session:
+        values: dict[str, Any] = {"step": step, "latest_metrics": numeric, "progress_at": now}
+        if checkpoint_uri:
+            values["latest_checkpoint"] = checkpoint_uri
+        result = session.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.attempt == attempt, Job.state.in_(ACTIVE_STATES))  # type: ignore[attr-defined]
+            .values(**values)
+        )
+        if result.rowcount != 1:  # type: ignore[attr-defined]
+            session.rollback()
+            return False
+        for name, value in numeric.items():
+            if name != "step":
+                session.add(Metric(job_id=job_id, attempt=attempt, step=step, name=name, value=value, at=now))
+        if checkpoint_uri:
+            session.add(
+                Checkpoint(
+                    job_id=job_id, attempt=attempt, step=step, uri=checkpoint_uri, metrics=numeric, created_at=now
+                )
+            )
+            session.add(
+                JobEvent(job_id=job_id, kind="checkpoint", reason="checkpoint_saved", message=checkpoint_uri,
+                         attempt=attempt, at=now)
+            )  # fmt: skip
+        session.commit()
+    return True
+
+
+def record_attempt_end(engine: Engine, *, job_id: str, attempt: int, reason: EndReason, message: str) -> None:
+    """The driver's own account of why its attempt ended; the dispatcher prefers it to guessing from Ray."""
+    with Session(engine) as session:
+        row = session.exec(select(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt)).first()
+        if row is not None and row.end_reason is None:
+            row.end_reason = reason
+            row.message = message[-4000:]
+            session.add(row)
+            session.commit()

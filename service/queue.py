@@ -1,0 +1,83 @@
+"""Claims and leases. A dispatcher works only on jobs it holds a lease on, and fences its writes with the token.
+
+Claiming a queued job is the guarded QUEUED -> STARTING transition itself (it sets the lease in the same UPDATE), so
+two dispatchers can never both win one job. Active jobs whose lease ran out are taken over with a new token; the old
+holder's later writes then match no row.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta
+
+from sqlalchemy import or_, update
+from sqlmodel import Session, col, select
+
+from service.models import ACTIVE_STATES, Job, JobEvent, JobState
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex
+
+
+def lease_values(owner: str, now: datetime, seconds: float) -> dict[str, object]:
+    return {"lease_owner": owner, "lease_token": new_token(), "lease_expires_at": now + timedelta(seconds=seconds)}
+
+
+def queued(session: Session, *, now: datetime, limit: int = 500) -> list[Job]:
+    """Queued jobs in admission order (priority, then FIFO), past any retry backoff."""
+    query = (
+        select(Job)
+        .where(Job.state == JobState.QUEUED)
+        .where(or_(col(Job.not_before).is_(None), col(Job.not_before) <= now))
+        .order_by(col(Job.priority).desc(), col(Job.created_at), col(Job.id))
+        .limit(limit)
+    )
+    return list(session.exec(query).all())
+
+
+def heartbeat(session: Session, *, owner: str, now: datetime, seconds: float) -> int:
+    """Extend every lease this dispatcher holds on an active job."""
+    result = session.execute(
+        update(Job)
+        .where(Job.lease_owner == owner, col(Job.state).in_(ACTIVE_STATES))
+        .values(lease_expires_at=now + timedelta(seconds=seconds))
+    )
+    return int(result.rowcount)  # type: ignore[attr-defined]
+
+
+def take_over(session: Session, *, owner: str, now: datetime, seconds: float, include_own: bool) -> list[Job]:
+    """Claim active jobs whose lease expired (their dispatcher died), and on start-up those leased to our own id."""
+    expired = or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now)
+    if include_own:
+        expired = or_(expired, Job.lease_owner == owner)
+    candidates = session.exec(select(Job).where(col(Job.state).in_(ACTIVE_STATES)).where(expired)).all()
+    taken = []
+    for job in candidates:
+        values = lease_values(owner, now, seconds)
+        result = session.execute(
+            update(Job)
+            .where(Job.id == job.id, Job.state == job.state)
+            .where(col(Job.lease_token).is_(None) if job.lease_token is None else Job.lease_token == job.lease_token)
+            .values(**values)
+        )
+        if result.rowcount == 1:  # type: ignore[attr-defined]
+            session.add(
+                JobEvent(
+                    job_id=job.id,
+                    kind="lease",
+                    reason="adopted",
+                    message=f"lease taken over from {job.lease_owner or 'nobody'}",
+                    attempt=job.attempt,
+                    actor=owner,
+                    at=now,
+                )
+            )
+            for key, value in values.items():
+                setattr(job, key, value)
+            taken.append(job)
+    return taken
+
+
+def owned(session: Session, *, owner: str) -> list[Job]:
+    return list(session.exec(select(Job).where(Job.lease_owner == owner, col(Job.state).in_(ACTIVE_STATES))).all())

@@ -1,0 +1,224 @@
+"""The Ray adapter: Ray Jobs (submit, status, stop, logs) and the cluster's resources.
+
+Status, stop and logs go straight to the Jobs REST API with httpx (clear status codes: a 404 is "no such job",
+not a RuntimeError to parse). Submission goes through `JobSubmissionClient`, which uploads local `working_dir` /
+`py_modules` packages. Submission is idempotent on the deterministic submission id: an existing Ray Job is adopted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from service.errors import InfraError
+
+log = logging.getLogger(__name__)
+RAY_TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
+
+
+@dataclass(frozen=True)
+class RayJobInfo:
+    submission_id: str
+    status: str  # PENDING | RUNNING | STOPPED | SUCCEEDED | FAILED
+    message: str | None = None
+    error_type: str | None = None
+    driver_exit_code: int | None = None
+    start_time: int | None = None
+    end_time: int | None = None
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in RAY_TERMINAL
+
+
+@dataclass
+class NodeView:
+    node_id: str
+    address: str
+    alive: bool
+    total: dict[str, float] = field(default_factory=dict)
+    available: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ClusterView:
+    nodes: list[NodeView]
+
+    @property
+    def total(self) -> dict[str, float]:
+        return _sum(n.total for n in self.nodes if n.alive)
+
+    @property
+    def available(self) -> dict[str, float]:
+        return _sum(n.available for n in self.nodes if n.alive)
+
+
+def _sum(dicts: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for d in dicts:
+        for k, v in d.items():
+            if not k.startswith("node:"):
+                out[k] = out.get(k, 0.0) + float(v)
+    return out
+
+
+def ray_auth_headers() -> dict[str, str]:
+    """Ray 2.5x turns token auth on by default; send the cluster's token when there is one."""
+    token = os.environ.get("RAY_AUTH_TOKEN")
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
+    if not token and path.exists():
+        token = path.read_text().strip()
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+class RayJobs:
+    """One Ray cluster, seen through its dashboard (Jobs API) and, when known, its GCS."""
+
+    def __init__(self, dashboard_url: str, *, gcs_address: str | None = None, timeout: float = 10.0) -> None:
+        self.dashboard_url = dashboard_url.rstrip("/")
+        self.gcs_address = gcs_address
+        self._http = httpx.Client(base_url=self.dashboard_url, timeout=timeout, headers=ray_auth_headers())
+        self._sdk: Any = None
+        self._gcs: Any = None
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise InfraError(f"Ray dashboard at {self.dashboard_url} unreachable: {exc}") from exc
+
+    def ping(self) -> bool:
+        try:
+            return self._http.get("/api/version", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def info(self, submission_id: str) -> RayJobInfo | None:
+        """The Ray Job's status, or None if Ray has no such job."""
+        r = self._request("GET", f"/api/jobs/{submission_id}")
+        if r.status_code == 404:
+            return None
+        if r.status_code != 200:
+            raise InfraError(f"Ray Jobs API answered {r.status_code} for {submission_id}: {r.text[:500]}")
+        body = r.json()
+        return RayJobInfo(
+            submission_id=submission_id,
+            status=str(body.get("status")),
+            message=body.get("message"),
+            error_type=body.get("error_type"),
+            driver_exit_code=body.get("driver_exit_code"),
+            start_time=body.get("start_time"),
+            end_time=body.get("end_time"),
+        )
+
+    def submit(
+        self, *, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]
+    ) -> bool:
+        """Submit unless Ray already has this submission id. True if submitted now, False if adopted."""
+        if self.info(submission_id) is not None:
+            return False
+        try:
+            self._client().submit_job(
+                entrypoint=entrypoint, submission_id=submission_id, runtime_env=runtime_env, metadata=metadata
+            )
+        except Exception as exc:  # noqa: BLE001 - Ray raises RuntimeError/ConnectionError/ValueError here
+            # A racing submitter (or our own earlier try whose answer was lost) got there first: adopt it.
+            if self.info(submission_id) is not None:
+                return False
+            raise InfraError(f"Ray refused submission {submission_id}: {exc}") from exc
+        return True
+
+    def stop(self, submission_id: str) -> bool:
+        r = self._request("POST", f"/api/jobs/{submission_id}/stop")
+        if r.status_code == 404:
+            return False
+        if r.status_code != 200:
+            raise InfraError(f"Ray could not stop {submission_id}: {r.status_code} {r.text[:300]}")
+        return bool(r.json().get("stopped"))
+
+    def logs(self, submission_id: str) -> str | None:
+        r = self._request("GET", f"/api/jobs/{submission_id}/logs")
+        if r.status_code == 404:
+            return None
+        if r.status_code != 200:
+            raise InfraError(f"Ray could not return logs of {submission_id}: {r.status_code}")
+        return str(r.json().get("logs", ""))
+
+    def list_submission_ids(self, prefix: str = "shunter-") -> list[str]:
+        r = self._request("GET", "/api/jobs/")
+        if r.status_code != 200:
+            raise InfraError(f"Ray Jobs API list answered {r.status_code}")
+        return [j["submission_id"] for j in r.json() if (j.get("submission_id") or "").startswith(prefix)]
+
+    def cluster(self) -> ClusterView:
+        """Per-node total and available resources (from the GCS when its address is known)."""
+        if self.gcs_address:
+            return self._cluster_from_gcs()
+        return self._cluster_from_dashboard()
+
+    def _client(self) -> Any:
+        if self._sdk is None:
+            from ray.job_submission import JobSubmissionClient
+
+            self._sdk = JobSubmissionClient(self.dashboard_url)
+        return self._sdk
+
+    def _cluster_from_gcs(self) -> ClusterView:
+        from ray._raylet import GcsClient
+
+        if self._gcs is None:
+            self._gcs = GcsClient(address=self.gcs_address)
+        try:
+            usage = self._gcs.get_all_resource_usage(timeout=5)
+        except Exception as exc:  # noqa: BLE001 - the GCS client raises its own RpcError types
+            raise InfraError(f"Ray GCS at {self.gcs_address} unreachable: {exc}") from exc
+        nodes = []
+        for item in usage.resource_usage_data.batch:
+            nodes.append(
+                NodeView(
+                    node_id=item.node_id.hex(),
+                    address=item.node_manager_address,
+                    alive=not item.is_draining,
+                    total=dict(item.resources_total),
+                    available=dict(item.resources_available),
+                )
+            )
+        return ClusterView(nodes=nodes)
+
+    def _cluster_from_dashboard(self) -> ClusterView:
+        r = self._request("GET", "/nodes", params={"view": "summary"})
+        if r.status_code != 200:
+            raise InfraError(f"Ray dashboard /nodes answered {r.status_code}")
+        nodes = []
+        for summary in r.json()["data"]["summary"]:
+            raylet = summary.get("raylet", {})
+            total = {k: float(v) for k, v in raylet.get("resourcesTotal", {}).items()}
+            nodes.append(
+                NodeView(
+                    node_id=raylet.get("nodeId", ""),
+                    address=raylet.get("nodeManagerAddress", ""),
+                    alive=raylet.get("state") == "ALIVE",
+                    total=total,
+                    # The dashboard gives no per-node availability; cluster-wide usage is spread below.
+                    available=dict(total),
+                )
+            )
+        status = self._request("GET", "/api/cluster_status")
+        if status.status_code == 200 and nodes:
+            usage = status.json()["data"]["clusterStatus"]["loadMetricsReport"]["usage"]
+            for key, (used, _total) in usage.items():
+                remaining = float(used)
+                for node in nodes:
+                    if key in node.available:
+                        take = min(remaining, node.available[key])
+                        node.available[key] -= take
+                        remaining -= take
+        return ClusterView(nodes=nodes)

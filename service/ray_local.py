@@ -1,0 +1,161 @@
+"""A local Ray head that shunter starts and re-attaches to.
+
+It is started with `ray start --head` (daemonised), not `ray.init()`, so that it outlives a killed `shunter serve`:
+the running Ray Jobs survive and the restarted service adopts them. Its addresses are kept in
+`<data_dir>/ray-head.json`; stopping it ends only the processes of this head, never another Ray on the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from service.errors import InfraError
+
+log = logging.getLogger(__name__)
+STATE_FILE = "ray-head.json"
+
+
+@dataclass(frozen=True)
+class LocalHead:
+    gcs_address: str
+    dashboard_url: str
+    temp_dir: str
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def dashboard_answers(url: str, timeout: float = 2.0) -> bool:
+    try:
+        return httpx.get(f"{url}/api/version", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _temp_dir_for(data_dir: Path) -> str:
+    # Ray's unix socket paths must stay under ~107 bytes: a short, per-data-dir folder in /tmp.
+    digest = hashlib.sha1(str(data_dir.resolve()).encode()).hexdigest()[:10]
+    return f"/tmp/shunter-ray-{digest}"
+
+
+def head_environment(extra_pythonpath: str | None = None) -> dict[str, str]:
+    """The environment Ray's processes (and so each job's driver) inherit."""
+    env = dict(os.environ)
+    bin_dir = str(Path(sys.executable).parent)
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    # Ray Train aborts gracefully on SIGINT; the default SIGTERM is ignored by the driver and escalated to a kill.
+    env["RAY_JOB_STOP_SIGNAL"] = "SIGINT"
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    paths = [p for p in (extra_pythonpath, env.get("PYTHONPATH")) if p]
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def ensure_local_head(
+    data_dir: Path,
+    *,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    dashboard_port: int | None = None,
+    resources: dict[str, float] | None = None,
+) -> LocalHead:
+    """Re-attach to this data dir's Ray head if it still answers, else start a new one."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    state = data_dir / STATE_FILE
+    if state.exists():
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            head = LocalHead(**json.loads(state.read_text()))
+            if dashboard_answers(head.dashboard_url):
+                log.info("re-attached to local Ray head at %s", head.gcs_address)
+                return head
+        stop_local_head(data_dir)
+
+    temp_dir = _temp_dir_for(data_dir)
+    port = free_port()
+    dport = dashboard_port or free_port()
+    if dashboard_port and not _port_free(dashboard_port):
+        dport = free_port()
+    cmd = [
+        str(Path(sys.executable).parent / "ray"), "start", "--head",
+        "--node-ip-address=127.0.0.1", f"--port={port}",
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dport}",
+        f"--ray-client-server-port={free_port()}",  # the default 10001 collides between heads on one machine
+        f"--temp-dir={temp_dir}", "--disable-usage-stats",
+    ]  # fmt: skip
+    if num_cpus is not None:
+        cmd.append(f"--num-cpus={num_cpus}")
+    if num_gpus is not None:
+        cmd.append(f"--num-gpus={num_gpus}")
+    if resources:
+        cmd.append(f"--resources={json.dumps(resources)}")
+    started = time.monotonic()
+    proc = subprocess.run(
+        cmd, env=head_environment(str(Path.cwd())), capture_output=True, text=True, timeout=120, check=False
+    )
+    if proc.returncode != 0:
+        raise InfraError(f"`ray start --head` failed: {proc.stderr.strip()[-2000:]}")
+    head = LocalHead(gcs_address=f"127.0.0.1:{port}", dashboard_url=f"http://127.0.0.1:{dport}", temp_dir=temp_dir)
+    deadline = time.monotonic() + 60
+    while not dashboard_answers(head.dashboard_url):
+        if time.monotonic() > deadline:
+            raise InfraError(f"Ray dashboard at {head.dashboard_url} did not answer within 60 s")
+        time.sleep(0.2)
+    state.write_text(json.dumps(asdict(head)))
+    log.info("started local Ray head %s in %.1f s", head.gcs_address, time.monotonic() - started)
+    return head
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _head_processes(temp_dir: str) -> list[int]:
+    import psutil
+
+    pids = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(proc.info.get("cmdline") or [])
+        if temp_dir in cmdline and proc.info["pid"] != os.getpid():
+            pids.append(proc.info["pid"])
+    return pids
+
+
+def stop_local_head(data_dir: Path, grace_seconds: float = 5.0) -> None:
+    """End every process of this data dir's head (SIGTERM, then SIGKILL after a grace period)."""
+    temp_dir = _temp_dir_for(data_dir)
+    import psutil
+
+    pids = _head_processes(temp_dir)
+    # Workers and drivers of that head carry the session dir in their cmdline too; the GCS and raylet go last.
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_seconds
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+        time.sleep(0.1)
+    for pid in _head_processes(temp_dir):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    (data_dir / STATE_FILE).unlink(missing_ok=True)

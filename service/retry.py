@@ -1,0 +1,32 @@
+"""Retry policy: after an attempt ends, run again (when, from what) or stop. Pure; table-driven tests cover it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.models import EndReason
+
+
+@dataclass(frozen=True)
+class RetryDecision:
+    retry: bool
+    delay_seconds: float = 0.0
+    why: str = ""
+
+
+def decide(
+    *, reason: EndReason, attempt: int, max_attempts: int, backoff_seconds: float, max_backoff_seconds: float
+) -> RetryDecision:
+    """Retry a retryable end while attempts remain, after exponential backoff (doubling, capped).
+
+    A deterministic failure (the user's code raised, a timeout, a cancel) is not retried: running the same code on the
+    same data again fails the same way and only burns the cluster.
+    """
+    if reason is EndReason.SUCCEEDED:
+        return RetryDecision(False, why="succeeded")
+    if not reason.is_retryable():
+        return RetryDecision(False, why=f"{reason.value} is not retryable")
+    if attempt >= max_attempts:
+        return RetryDecision(False, why=f"attempts exhausted ({attempt}/{max_attempts})")
+    delay = min(backoff_seconds * (2 ** (attempt - 1)), max_backoff_seconds)
+    return RetryDecision(True, delay_seconds=delay, why=f"{reason.value}: attempt {attempt + 1}/{max_attempts}")

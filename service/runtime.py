@@ -1,0 +1,84 @@
+"""Wiring for the long-running processes: which Ray, which database, and the dispatcher thread."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from sqlalchemy.engine import Engine
+
+from service.db import create_schema, make_engine
+from service.dispatcher import Dispatcher
+from service.ray_jobs import RayJobs
+from service.ray_local import LocalHead, ensure_local_head, stop_local_head
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def dashboard_url_for(settings: Settings) -> str:
+    """The Jobs API address: explicit, or the default dashboard port on the GCS host."""
+    if settings.ray_dashboard_url:
+        return settings.ray_dashboard_url
+    address = settings.ray_address or ""
+    if address.startswith(("http://", "https://")):
+        return address
+    host = address.removeprefix("ray://").split(":")[0] or "127.0.0.1"
+    return f"http://{host}:8265"
+
+
+def gcs_address_for(settings: Settings) -> str | None:
+    address = settings.ray_address or ""
+    if not address or address.startswith(("http://", "https://", "ray://")):
+        return None
+    return address
+
+
+@dataclass
+class Runtime:
+    """Everything a shunter process holds: the engine, the Ray adapter, and (maybe) a dispatcher thread."""
+
+    settings: Settings
+    engine: Engine
+    ray: RayJobs
+    local_head: LocalHead | None = None
+    dispatcher: Dispatcher | None = None
+    _thread: threading.Thread | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    @classmethod
+    def open(cls, settings: Settings, *, manage_local_ray: bool = False) -> Runtime:
+        engine = make_engine(settings.database_url)
+        create_schema(engine)
+        head = None
+        if settings.ray_address is None and manage_local_ray:
+            head = ensure_local_head(
+                settings.data_dir.resolve(),
+                num_cpus=settings.local_ray_num_cpus,
+                num_gpus=settings.local_ray_num_gpus,
+                dashboard_port=settings.local_ray_dashboard_port,
+            )
+            ray = RayJobs(head.dashboard_url, gcs_address=head.gcs_address)
+        elif settings.ray_address is None:
+            ray = RayJobs(dashboard_url_for(settings))
+        else:
+            ray = RayJobs(dashboard_url_for(settings), gcs_address=gcs_address_for(settings))
+        return cls(settings=settings, engine=engine, ray=ray, local_head=head)
+
+    def start_dispatcher(self, *, owner: str) -> Dispatcher:
+        self.dispatcher = Dispatcher(engine=self.engine, settings=self.settings, ray=self.ray, owner=owner)
+        self._thread = threading.Thread(target=self.dispatcher.run, args=(self._stop,), name="dispatcher", daemon=True)
+        self._thread.start()
+        log.info("dispatcher %s started", owner)
+        return self.dispatcher
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.ray.close()
+        if self.local_head is not None and self.settings.stop_ray_on_exit:
+            log.info("stopping the local Ray head")
+            stop_local_head(self.settings.data_dir.resolve())
+        self.engine.dispose()

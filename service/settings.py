@@ -1,0 +1,76 @@
+"""All configuration, read once from `SHUNTER_*` environment variables (or a `.env` file)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SHUNTER_", env_file=".env", extra="ignore")
+
+    database_url: str = "sqlite:///./shunter.db"
+    # Unset: `shunter serve` starts (or re-attaches to) a local Ray head of its own under data_dir.
+    # Set: the GCS address of an existing cluster (`host:6379`); the Jobs API is then at ray_dashboard_url.
+    ray_address: str | None = None
+    ray_dashboard_url: str | None = None
+    storage_uri: str = "./shunter-data/checkpoints"
+    data_dir: Path = Path("./shunter-data")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=1, le=65535)
+    api_tokens: dict[str, dict[str, Any]] | None = None
+    public_url: str | None = Field(None, description="how Ray workers reach this API; default http://host:port")
+
+    dispatcher_id: str | None = Field(None, description="default: hostname:pid; `serve` uses a stable one")
+    dispatcher_tick_seconds: float = Field(0.5, gt=0)
+    lease_seconds: float = Field(15.0, gt=0)
+
+    # The managed local Ray head (only when ray_address is unset).
+    local_ray_num_cpus: int | None = None
+    local_ray_num_gpus: int | None = None
+    local_ray_dashboard_port: int = 8265
+    stop_ray_on_exit: bool = True
+    # How often the Ray Train controller polls workers: each ray.train.report() waits for that poll.
+    train_poll_seconds: float = Field(0.25, gt=0)
+
+    @field_validator("api_tokens", mode="before")
+    @classmethod
+    def _tokens_from_json(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return json.loads(value) if value.strip() else None
+        return value
+
+    def resolved_dispatcher_id(self, *, stable: bool = False) -> str:
+        if self.dispatcher_id:
+            return self.dispatcher_id
+        host = socket.gethostname()
+        # A stable id lets a restarted single-process `serve` re-own its leases at once instead of waiting them out.
+        return f"serve@{host}:{self.data_dir.resolve()}" if stable else f"{host}:{os.getpid()}"
+
+    def absolute_database_url(self) -> str:
+        """Ray processes run in other directories: relative SQLite paths must be made absolute before handing over."""
+        prefix = "sqlite:///"
+        if self.database_url.startswith(prefix) and not self.database_url.startswith(prefix + "/"):
+            path = self.database_url[len(prefix) :]
+            if path and path != ":memory:":
+                return prefix + str(Path(path).resolve())
+        return self.database_url
+
+    def absolute_storage_uri(self) -> str:
+        if "://" in self.storage_uri:
+            return self.storage_uri
+        return str(Path(self.storage_uri).resolve())
+
+
+@functools.lru_cache
+def get_settings() -> Settings:
+    """The process-wide settings; tests build their own `Settings(...)` and pass it in instead."""
+    return Settings()

@@ -1,0 +1,62 @@
+"""Shared fixtures: one real local Ray head per test session, real SQLite files, the real PostgreSQL server."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from service.ray_local import LocalHead, ensure_local_head, stop_local_head
+
+# Tests never join a stranger's cluster, and never start one per test (Ray costs ~5 s to start here).
+os.environ.pop("RAY_ADDRESS", None)
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+RAY_TEST_CPUS = 4  # logical CPUs: 2-worker jobs use 2; the slack lets a test overlap a finishing job
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHead]:
+    """A real local Ray head (with dashboard and Jobs API), shared by the whole test session."""
+    data_dir = tmp_path_factory.mktemp("ray-head")
+    head = ensure_local_head(data_dir, num_cpus=RAY_TEST_CPUS, num_gpus=0)
+    yield head
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    stop_local_head(data_dir)
+
+
+@pytest.fixture(scope="session")
+def ray_connected(ray_head: LocalHead) -> LocalHead:
+    """This pytest process as a Ray driver of the session's head (for tests that run Ray Train in-process)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=ray_head.gcs_address, log_to_driver=False)
+    return ray_head
+
+
+def wait_for(
+    predicate: Callable[[], object], *, timeout: float = 60.0, interval: float = 0.2, what: str = ""
+) -> object:
+    """Poll until `predicate()` is truthy; fail the test with `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what or predicate}; last value: {last!r}")
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent

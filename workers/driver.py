@@ -1,0 +1,115 @@
+"""The Ray Job entrypoint of one attempt: `python -m workers.driver`.
+
+It reads its job from the environment the dispatcher set (`workers.context`), builds a `TorchTrainer` from the spec,
+runs it, and records why the attempt ended before exiting (0 on success, 1 otherwise), so the dispatcher need not
+guess from Ray's status alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+
+from service.models import EndReason
+from workers import context
+
+log = logging.getLogger("shunter.driver")
+
+
+def classify_failure(exc: BaseException) -> EndReason:
+    """Name why training failed, from the exception Ray Train raised."""
+    text = f"{type(exc).__name__}: {exc}"
+    worker_errors = getattr(exc, "worker_failures", None) or {}
+    text += " " + " ".join(f"{type(e).__name__}: {e}" for e in worker_errors.values())
+    lowered = text.lower()
+    if "outofmemory" in lowered.replace(" ", "") or "out of memory" in lowered or "oom" in lowered.split():
+        return EndReason.OUT_OF_MEMORY
+    if "nccl" in lowered and ("timeout" in lowered or "hang" in lowered) or "NCCLHangError" in text:
+        return EndReason.COLLECTIVE_TIMEOUT
+    if "gloo" in lowered and "timeout" in lowered:
+        return EndReason.COLLECTIVE_TIMEOUT
+    if "node" in lowered and ("died" in lowered or "lost" in lowered or "removed" in lowered):
+        return EndReason.NODE_LOST
+    if "ActorDiedError" in text or "actor died" in lowered or "WorkerCrashedError" in text or "SYSTEM_ERROR" in text:
+        return EndReason.WORKER_LOST
+    if type(exc).__name__ == "ControllerError":
+        return EndReason.INFRA
+    return EndReason.USER_ERROR
+
+
+def build_trainer(spec, *, job_id: str, attempt: int, storage: str, database_url: str | None):  # noqa: ANN001, ANN201
+    """The TorchTrainer for this attempt (imports torch and Ray Train: worker side only)."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from workers.progress import ProgressCallback
+    from workers.storage import filesystem_for
+    from workers.strategies import train_loop_for
+
+    res = spec.resources
+    per_worker = res.per_worker()
+    scaling = ScalingConfig(
+        num_workers=res.num_workers,
+        use_gpu=res.use_gpu,
+        resources_per_worker=per_worker,
+        placement_strategy=res.placement.ray_strategy,
+    )
+    callbacks = [ProgressCallback(database_url=database_url, job_id=job_id, attempt=attempt)] if database_url else []
+    storage_path, filesystem = filesystem_for(storage)
+    run_config = RunConfig(
+        name=job_id,  # the same name on every attempt: Ray Train resumes from the run's latest checkpoint
+        storage_path=storage_path,
+        storage_filesystem=filesystem,
+        checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep),
+        failure_config=FailureConfig(max_failures=spec.retries.max_worker_failures),
+        callbacks=callbacks,
+    )
+    train_loop, loop_config = train_loop_for(spec)
+    return TorchTrainer(
+        train_loop,
+        train_loop_config=loop_config,
+        scaling_config=scaling,
+        run_config=run_config,
+        torch_config=TorchConfig(backend="nccl" if res.use_gpu else "gloo"),
+    )
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s shunter-driver %(levelname)s %(message)s")
+    spec = context.job_spec()
+    job_id = context.job_id() or "adhoc"
+    attempt = context.attempt()
+    storage = os.environ.get(context.ENV_STORAGE) or os.path.abspath("shunter-checkpoints")
+    database_url = os.environ.get(context.ENV_DATABASE_URL)
+    log.info("job %s attempt %d: %d x %s, strategy %s", job_id, attempt, spec.resources.num_workers,
+             spec.resources.per_worker(), spec.strategy.kind.value)  # fmt: skip
+
+    import ray
+
+    ray.init(log_to_driver=True)
+    reason, message = EndReason.SUCCEEDED, "succeeded"
+    try:
+        trainer = build_trainer(spec, job_id=job_id, attempt=attempt, storage=storage, database_url=database_url)
+        result = trainer.fit()
+        log.info("training finished; final checkpoint: %s", getattr(result.checkpoint, "path", None))
+    except KeyboardInterrupt:
+        reason, message = EndReason.CANCELLED, "stopped by request"
+    except Exception as exc:  # noqa: BLE001 - classified, recorded, and printed in full below
+        reason = classify_failure(exc)
+        message = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    if database_url and reason is not EndReason.SUCCEEDED:
+        from service.progress import engine_for, record_attempt_end
+
+        try:
+            record_attempt_end(engine_for(database_url), job_id=job_id, attempt=attempt, reason=reason, message=message)
+        except Exception:  # noqa: BLE001 - the exit code still tells the dispatcher the attempt failed
+            log.exception("could not record the end of the attempt")
+    log.info("attempt ended: %s", reason.value)
+    return 0 if reason is EndReason.SUCCEEDED else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
