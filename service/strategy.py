@@ -69,13 +69,14 @@ class DeepSpeedOptions(_Strict):
         return self
 
 
-def _number(value: Any) -> int | float | None:
-    """A DeepSpeed config value as a number; None for "auto" or absent."""
+def _count(config: dict[str, Any], key: str) -> int | None:
+    """A DeepSpeed batch-size value as a positive int; None for "auto" or absent."""
+    value = config.get(key)
     if value is None or value == AUTO:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError
-    return value
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value < 1:
+        raise ValueError(f'strategy.deepspeed.config.{key}: must be a positive integer or "auto", got {value!r}')
+    return int(value)
 
 
 class StrategySpec(_Strict):
@@ -144,36 +145,26 @@ class StrategySpec(_Strict):
     def _check_deepspeed_config(self, config: dict[str, Any], *, use_gpu: bool, num_workers: int) -> None:
         """A full DeepSpeed config must agree with the spec; "auto" values are filled from the spec at run time."""
         where = "strategy.deepspeed.config"
-        values: dict[str, int | float | None] = {}
-        for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
-            try:
-                values[key] = _number(config.get(key))
-            except TypeError:
-                raise ValueError(f"{where}.{key}: must be a positive integer or \"auto\", got {config[key]!r}") from None
-            if values[key] is not None and (values[key] != int(values[key]) or values[key] < 1):  # type: ignore[operator]
-                raise ValueError(f"{where}.{key}: must be a positive integer or \"auto\", got {config[key]!r}")
-        micro, accum, total = (
-            values["train_micro_batch_size_per_gpu"],
-            values["gradient_accumulation_steps"],
-            values["train_batch_size"],
-        )
+        micro = _count(config, "train_micro_batch_size_per_gpu")
+        accum = _count(config, "gradient_accumulation_steps")
+        total = _count(config, "train_batch_size")
         if micro is not None and self.micro_batch_size is not None and micro != self.micro_batch_size:
             raise ValueError(
                 f"{where}.train_micro_batch_size_per_gpu: {micro} contradicts strategy.micro_batch_size "
-                f"({self.micro_batch_size}); set one of them, or \"auto\""
+                f'({self.micro_batch_size}); set one of them, or "auto"'
             )
-        if accum is not None and "gradient_accumulation_steps" in self.model_fields_set:
-            if accum != self.gradient_accumulation_steps:
-                raise ValueError(
-                    f"{where}.gradient_accumulation_steps: {accum} contradicts strategy.gradient_accumulation_steps "
-                    f"({self.gradient_accumulation_steps}); set one of them, or \"auto\""
-                )
+        spec_accum = "gradient_accumulation_steps" in self.model_fields_set
+        if accum is not None and spec_accum and accum != self.gradient_accumulation_steps:
+            raise ValueError(
+                f"{where}.gradient_accumulation_steps: {accum} contradicts strategy.gradient_accumulation_steps "
+                f'({self.gradient_accumulation_steps}); set one of them, or "auto"'
+            )
         micro = micro if micro is not None else self.micro_batch_size
         accum = accum if accum is not None else self.gradient_accumulation_steps
         if total is not None and micro is not None and total != micro * accum * num_workers:
             raise ValueError(
                 f"{where}.train_batch_size: {total} != micro batch {micro} x gradient accumulation {accum} x "
-                f"{num_workers} workers = {int(micro * accum * num_workers)}"
+                f"{num_workers} workers = {micro * accum * num_workers}"
             )
         if total is not None and micro is None and total % (accum * num_workers):
             raise ValueError(
@@ -191,7 +182,7 @@ class StrategySpec(_Strict):
         if enabled and not use_gpu:
             raise ValueError(
                 f"{where}.{enabled[0]}.enabled: {enabled[0]} needs GPUs (resources.use_gpu: true); "
-                "use \"auto\" to follow strategy.mixed_precision"
+                'use "auto" to follow strategy.mixed_precision'
             )
         zero = config.get("zero_optimization") or {}
         if not isinstance(zero, dict):

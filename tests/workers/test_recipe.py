@@ -26,13 +26,14 @@ def test_causal_lm_recipe_trains_and_saves_model(name: str, ray_connected: objec
     from transformers import AutoModelForCausalLM
 
     data = tmp_path / "data.jsonl"
-    data.write_text("\n".join(json.dumps({"text": "the quick brown fox jumps over the lazy dog. " * 3}) for _ in range(8)))
+    data.write_text(
+        "\n".join(json.dumps({"text": "the quick brown fox jumps over the lazy dog. " * 3}) for _ in range(8))
+    )
     spec = JobSpec.model_validate(
         {
             "entrypoint": {"recipe": "causal-lm"},
             "config": {
-                "model_config": {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256,
-                                 "n_positions": 64},  # fmt: skip
+                "model_config": {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256},
                 "dataset_path": str(data),
                 "seq_len": 32,
                 "batch_size": 4,

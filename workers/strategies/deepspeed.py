@@ -118,7 +118,7 @@ def resolve_auto(
     out.setdefault("zero_force_ds_cpu_optimizer", False)
     left = list(_autos(out))
     if left:
-        raise ValueError(f"{WHERE}.{left[0]}: \"auto\" cannot be resolved from the spec; give a value")
+        raise ValueError(f'{WHERE}.{left[0]}: "auto" cannot be resolved from the spec; give a value')
     return out
 
 

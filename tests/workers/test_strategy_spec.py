@@ -1,0 +1,159 @@
+"""Pure tests: what the strategy part of the spec refuses at submission, and how "auto" is resolved."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from service.spec import JobSpec
+from service.strategy import MixedPrecision, StrategySpec
+from workers.checkpoint import MANIFEST, IncompleteCheckpointError, verify
+from workers.strategies import train_loop_for
+from workers.strategies.deepspeed import build_config
+
+GUIDE_DS_CONFIG = {  # the reference guide's ds_config.json, minus bf16 (CPU here)
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu"},
+        "offload_param": {"device": "none"},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 5e7,
+        "stage3_prefetch_bucket_size": 5e7,
+        "stage3_param_persistence_threshold": 1e5,
+    },
+    "gradient_accumulation_steps": 4,
+    "gradient_clipping": 1.0,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}
+
+
+def spec(strategy: dict[str, Any], *, use_gpu: bool = False, workers: int = 2) -> JobSpec:
+    return JobSpec.model_validate(
+        {
+            "entrypoint": {"callable": "examples.gpt2_tiny:train_loop"},
+            "strategy": strategy,
+            "resources": {"num_workers": workers, "use_gpu": use_gpu},
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("strategy", "use_gpu", "message"),
+    [
+        ({"mixed_precision": "bf16"}, False, "strategy.mixed_precision=bf16 needs GPUs"),
+        ({"kind": "ddp", "fsdp": {}}, False, "fsdp options given but kind is ddp"),
+        ({"kind": "deepspeed", "deepspeed": {"zero_stage": 2, "offload_param": "cpu"}}, False, "needs zero_stage: 3"),
+        ({"kind": "deepspeed", "deepspeed": {"zero_stage": 0, "offload_optimizer": "cpu"}}, False, "stage 1, 2 or 3"),
+        ({"kind": "deepspeed", "deepspeed": {"zero_stage": 3, "config": {}}}, False, "not both"),
+        ({"kind": "fsdp", "fsdp": {"sharding": "hybrid_shard", "shard_size": 3}}, False, "does not divide"),
+        ({"kind": "fsdp", "fsdp": {"shard_size": 2}}, False, "only meaningful with sharding: hybrid_shard"),
+        (
+            {
+                "kind": "deepspeed",
+                "micro_batch_size": 4,
+                "deepspeed": {"config": {"train_micro_batch_size_per_gpu": 8}},
+            },
+            False,
+            "train_micro_batch_size_per_gpu: 8 contradicts strategy.micro_batch_size",
+        ),
+        (
+            {"kind": "deepspeed", "micro_batch_size": 4, "deepspeed": {"config": {"train_batch_size": 16}}},
+            False,
+            "strategy.deepspeed.config.train_batch_size: 16 != micro batch 4 x gradient accumulation 1 x 2 workers",
+        ),
+        (
+            {"kind": "deepspeed", "gradient_accumulation_steps": 2, "deepspeed": {"config": GUIDE_DS_CONFIG}},
+            False,
+            "gradient_accumulation_steps: 4 contradicts",
+        ),
+        (
+            {"kind": "deepspeed", "deepspeed": {"config": {"train_batch_size": "lots"}}},
+            False,
+            'train_batch_size: must be a positive integer or "auto"',
+        ),
+        ({"kind": "deepspeed", "deepspeed": {"config": {"bf16": {"enabled": True}}}}, False, "bf16 needs GPUs"),
+        (
+            {
+                "kind": "deepspeed",
+                "deepspeed": {"config": {"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}}},
+            },
+            False,
+            "offload_param: needs stage 3",
+        ),
+    ],
+)
+def test_spec_refuses_strategies_that_cannot_work(strategy: dict[str, Any], use_gpu: bool, message: str) -> None:
+    with pytest.raises(ValidationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        spec(strategy, use_gpu=use_gpu)
+
+
+def test_spec_accepts_workable_strategies() -> None:
+    spec({"kind": "deepspeed", "deepspeed": {"config": GUIDE_DS_CONFIG}})
+    spec(
+        {
+            "kind": "deepspeed",
+            "micro_batch_size": 2,
+            "deepspeed": {"config": {**GUIDE_DS_CONFIG, "train_batch_size": 16}},
+        }
+    )
+    spec(
+        {"kind": "fsdp", "mixed_precision": "bf16", "fsdp": {"sharding": "hybrid_shard", "shard_size": 4}},
+        use_gpu=True,
+        workers=8,
+    )
+    spec({"kind": "fsdp", "mixed_precision": "auto"})  # falls back to no on CPU
+    spec({"kind": "ddp", "scale_lr": "linear", "base_batch_size": 32})
+
+
+def test_auto_mixed_precision_falls_back_on_cpu() -> None:
+    strategy = StrategySpec(mixed_precision=MixedPrecision.auto)
+    assert strategy.resolved_mixed_precision(use_gpu=False) is MixedPrecision.no
+    assert strategy.resolved_mixed_precision(use_gpu=True) is MixedPrecision.bf16
+    assert strategy.resolved_mixed_precision(use_gpu=True, bf16_supported=False) is MixedPrecision.fp16
+
+
+def test_deepspeed_auto_values_resolve_from_spec() -> None:
+    strategy = spec({"kind": "deepspeed", "micro_batch_size": 2, "deepspeed": {"config": GUIDE_DS_CONFIG}}).strategy
+    config = build_config(strategy, world_size=2, micro_batch_size=None, precision=MixedPrecision.no, use_gpu=False)
+    assert config["train_micro_batch_size_per_gpu"] == 2
+    assert config["gradient_accumulation_steps"] == 4
+    assert config["train_batch_size"] == 16
+    assert GUIDE_DS_CONFIG["train_batch_size"] == "auto"  # the user's config is not modified
+
+
+def test_deepspeed_short_form_builds_zero_config() -> None:
+    strategy = spec(
+        {"kind": "deepspeed", "gradient_clipping": 1.0, "deepspeed": {"zero_stage": 3, "offload_param": "cpu"}}
+    ).strategy
+    config = build_config(strategy, world_size=4, micro_batch_size=8, precision=MixedPrecision.bf16, use_gpu=True)
+    assert config["zero_optimization"]["stage"] == 3
+    assert config["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}
+    assert config["train_batch_size"] == 32 and config["gradient_clipping"] == 1.0
+    assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
+
+
+def test_train_loop_for_callable_and_script() -> None:
+    loop, config = train_loop_for(
+        JobSpec.model_validate({"entrypoint": {"callable": "examples.gpt2_tiny:train_loop"}, "config": {"steps": 3}})
+    )
+    from examples.gpt2_tiny import train_loop
+
+    assert loop is train_loop and config == {"steps": 3}
+    loop, config = train_loop_for(JobSpec.model_validate({"entrypoint": {"script": "x.py", "args": ["--a", "1"]}}))
+    assert config == {"script": "x.py", "args": ["--a", "1"]}
+
+
+def test_checkpoint_without_valid_manifest_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "model.pt").write_bytes(b"weights")
+    with pytest.raises(IncompleteCheckpointError, match="no shunter-manifest.json"):
+        verify(tmp_path)
+    entry = {"size": 7, "sha256": "0" * 64}
+    (tmp_path / MANIFEST).write_text(json.dumps({"step": 1, "files": {"model.pt": entry}}))
+    with pytest.raises(IncompleteCheckpointError, match="does not match its sha256"):
+        verify(tmp_path)
