@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,14 @@ def strategy_loop(config: dict[str, Any]) -> None:
                     loss = torch.nn.functional.mse_loss(prepared.model(x), y)
             if prepared.backward(loss):
                 records.append({"step": prepared.step, "loss": loss.item()})
-                prepared.report(loss=loss, checkpoint=prepared.step == config["steps"])
+                every = config.get("checkpoint_every", 0)
+                prepared.report(
+                    loss=loss, checkpoint=prepared.step == config["steps"] or bool(every and prepared.step % every == 0)
+                )
+                marker = out / "crashed"
+                if prepared.step == config.get("crash_at") and rank == 1 and not marker.exists():
+                    marker.write_text("")
+                    os._exit(1)  # a hard worker death: Ray Train restarts the group from the last checkpoint
                 if prepared.step >= config["steps"]:
                     break
         if prepared.step >= config["steps"]:
