@@ -32,6 +32,10 @@ TokenOpt = Annotated[str | None, typer.Option("--token", envvar="SHUNTER_TOKEN",
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
 DEFAULT_URL = "http://127.0.0.1:8080"
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+STATUS_FIELDS = (
+    "id", "name", "state", "state_reason", "attempt", "step", "loss", "latest_checkpoint", "end_reason",
+    "last_error", "created_at", "started_at", "finished_at", "ray_submission_id", "ray_dashboard_url",
+)  # fmt: skip
 
 
 def _client(server: str, token: str | None) -> Client:
@@ -182,8 +186,7 @@ def status(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None,
         console.print_json(job.model_dump_json())
         return
     table = Table(show_header=False, box=None)
-    for key in ("id", "name", "state", "state_reason", "attempt", "step", "loss", "latest_checkpoint", "end_reason",
-                "last_error", "created_at", "started_at", "finished_at", "ray_submission_id", "ray_dashboard_url"):  # fmt: skip
+    for key in STATUS_FIELDS:
         value = getattr(job, key)
         if value is not None:
             table.add_row(f"[bold]{key}[/bold]", str(value))
@@ -209,6 +212,7 @@ def list_cmd(
         console.print_json(page.model_dump_json())
         return
     table = Table("id", "name", "state", "attempt", "step", "loss", "created")
+    table.columns[0].no_wrap = True  # ids are for copying: never fold them
     for job in page.items:
         loss = f"{job.loss:.4f}" if job.loss is not None else ""
         table.add_row(job.id, job.name, job.state, str(job.attempt), str(job.step or ""), loss,

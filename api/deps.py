@@ -9,6 +9,7 @@ from typing import Annotated
 from fastapi import Depends, Header, Request
 from sqlmodel import Session
 
+from service.db import begin_write
 from service.errors import Unauthorized
 from service.jobs import Caller
 from service.runtime import Runtime
@@ -23,8 +24,11 @@ def get_settings_dep(request: Request) -> Settings:
     return request.app.state.runtime.settings  # type: ignore[no-any-return]
 
 
-def get_session(runtime: Annotated[Runtime, Depends(get_runtime)]) -> Iterator[Session]:
+def get_session(request: Request, runtime: Annotated[Runtime, Depends(get_runtime)]) -> Iterator[Session]:
+    """A session per request; requests that change state get a write transaction from the start."""
     with Session(runtime.engine, expire_on_commit=False) as session:
+        if request.method not in ("GET", "HEAD", "OPTIONS"):
+            begin_write(session)
         try:
             yield session
             session.commit()

@@ -32,13 +32,18 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
             cur.close()
 
         @event.listens_for(engine, "begin")
-        def _sqlite_begin_immediate(conn: Any) -> None:
-            # Take the write lock at BEGIN: a read-then-write transaction can then never fail on upgrade
-            # ("database is locked") halfway, which is what makes the guarded claim safe across processes.
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        def _sqlite_begin(conn: Any) -> None:
+            # Write transactions take the write lock at BEGIN (IMMEDIATE): a read-then-write can then never fail
+            # halfway on lock upgrade, which is what makes guarded updates safe across processes. Reads stay
+            # deferred, so WAL readers never block the writer.
+            immediate = conn.get_execution_options().get(WRITE_OPTION)
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
         return engine
     return create_engine(url, pool_pre_ping=True, **kwargs)
+
+
+WRITE_OPTION = "shunter_write"
 
 
 def create_schema(engine: Engine) -> None:
@@ -47,11 +52,17 @@ def create_schema(engine: Engine) -> None:
 
 @contextmanager
 def session_scope(engine: Engine) -> Iterator[Session]:
-    """One transaction: commit on success, roll back on error."""
+    """One write transaction: commit on success, roll back on error."""
     with Session(engine, expire_on_commit=False) as session:
+        begin_write(session)
         try:
             yield session
             session.commit()
         except BaseException:
             session.rollback()
             raise
+
+
+def begin_write(session: Session) -> None:
+    """Mark the session's transaction as a write one (BEGIN IMMEDIATE on SQLite; no-op elsewhere)."""
+    session.connection(execution_options={WRITE_OPTION: True})

@@ -297,10 +297,10 @@ class Dispatcher:
                 session.add(row)
             if decision.retry:
                 record_event(session, job, kind="retry", reason="retry_decided", message=decision.why, actor=self.owner)
+                retry_at = now + timedelta(seconds=decision.delay_seconds)
                 transition(session, job, to=JobState.QUEUED, reason=reason.value, lease_token=job.lease_token,
                            actor=self.owner, message=f"{message[-500:]}; retrying in {decision.delay_seconds:.0f}s",
-                           values={"not_before": now + timedelta(seconds=decision.delay_seconds),
-                                   "last_error": None if reason is EndReason.SUCCEEDED else message[-4000:]})  # fmt: skip
+                           values={"not_before": retry_at, "last_error": message[-4000:]})  # fmt: skip
             else:
                 values = {"end_reason": reason}
                 if reason is not EndReason.SUCCEEDED:

@@ -14,7 +14,7 @@ from sqlalchemy import update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from service.db import make_engine
+from service.db import begin_write, make_engine
 from service.models import ACTIVE_STATES, Attempt, Checkpoint, EndReason, Job, JobEvent, Metric, utcnow
 
 
@@ -47,6 +47,7 @@ def record_report(
     step = int(metrics["step"]) if isinstance(metrics.get("step"), int | float) else report_index
     now = utcnow()
     with Session(engine) as session:
+        begin_write(session)
         values: dict[str, Any] = {"step": step, "latest_metrics": numeric, "progress_at": now}
         if checkpoint_uri:
             values["latest_checkpoint"] = checkpoint_uri
@@ -78,6 +79,7 @@ def record_report(
 def record_attempt_end(engine: Engine, *, job_id: str, attempt: int, reason: EndReason, message: str) -> None:
     """The driver's own account of why its attempt ended; the dispatcher prefers it to guessing from Ray."""
     with Session(engine) as session:
+        begin_write(session)
         row = session.exec(select(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt)).first()
         if row is not None and row.end_reason is None:
             row.end_reason = reason

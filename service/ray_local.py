@@ -96,7 +96,10 @@ def ensure_local_head(
         str(Path(sys.executable).parent / "ray"), "start", "--head",
         "--node-ip-address=127.0.0.1", f"--port={port}",
         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dport}",
-        f"--ray-client-server-port={free_port()}",  # the default 10001 collides between heads on one machine
+        # The defaults (client server 10001, agent 52365) collide between heads on one machine: the second head's
+        # job agent then never comes up and every submission answers "No available agent to submit job".
+        f"--ray-client-server-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
         f"--temp-dir={temp_dir}", "--disable-usage-stats",
     ]  # fmt: skip
     if num_cpus is not None:

@@ -1,0 +1,164 @@
+"""Fixtures for control-plane tests: a real SQLite file or a fresh PostgreSQL database per test, and a real
+`shunter serve` process against the session's Ray head."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+from api.client import Client
+from service.db import create_schema, make_engine
+from service.ray_jobs import RayJobs
+from service.ray_local import LocalHead, free_port
+from tests.conftest import wait_for
+
+PG_ADMIN_URL = os.environ.get("SHUNTER_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+
+
+def _postgres_available() -> bool:
+    try:
+        engine = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+        engine.dispose()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
+    """A fresh, empty database with shunter's schema: a SQLite file, or a new PostgreSQL database."""
+    if request.param == "sqlite":
+        engine = make_engine(f"sqlite:///{tmp_path / 'shunter.db'}")
+        create_schema(engine)
+        yield engine
+        engine.dispose()
+        return
+    if not _postgres_available():
+        if os.environ.get("CI"):
+            pytest.fail("PostgreSQL at 127.0.0.1:5432 is not reachable (CI must start it)")
+        pytest.skip("PostgreSQL not reachable")
+    name = f"shunter_test_{uuid.uuid4().hex[:12]}"
+    admin = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    engine = make_engine(PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}")
+    create_schema(engine)
+    yield engine
+    engine.dispose()
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@dataclass
+class Service:
+    """A real `shunter serve` process (API + dispatcher) against the session's Ray head."""
+
+    data_dir: Path
+    port: int
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.log_path = self.data_dir / "serve.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self) -> Client:
+        return Client(self.url)
+
+    def start(self) -> Service:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "api.cli", "serve"], env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            cwd=Path(__file__).resolve().parents[2], start_new_session=True,
+        )  # fmt: skip
+        wait_for(self._ready, timeout=60, what=f"shunter serve on {self.url} (log: {self.log_path})")
+        return self
+
+    def _ready(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"shunter serve exited {self.proc.returncode}: {self.log_path.read_text()[-3000:]}")
+        try:
+            return httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "api.cli", *args, "--server", self.url], capture_output=True, text=True,
+            env=self.env, timeout=120, check=check, cwd=Path(__file__).resolve().parents[2],
+        )  # fmt: skip
+
+
+def service_env(data_dir: Path, head: LocalHead, port: int, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "SHUNTER_DATABASE_URL": f"sqlite:///{data_dir / 'shunter.db'}",
+            "SHUNTER_DATA_DIR": str(data_dir),
+            "SHUNTER_STORAGE_URI": str(data_dir / "checkpoints"),
+            "SHUNTER_RAY_ADDRESS": head.gcs_address,
+            "SHUNTER_RAY_DASHBOARD_URL": head.dashboard_url,
+            "SHUNTER_PORT": str(port),
+            "SHUNTER_DISPATCHER_TICK_SECONDS": "0.25",
+            "SHUNTER_TRAIN_POLL_SECONDS": "0.1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def service(tmp_path: Path, ray_head: LocalHead) -> Iterator[Service]:
+    svc = Service(data_dir=tmp_path, port=free_port(), env=service_env(tmp_path, ray_head, 0))
+    svc.env["SHUNTER_PORT"] = str(svc.port)
+    svc.start()
+    yield svc
+    svc.stop()
+    stop_leftover_ray_jobs(ray_head)
+
+
+def stop_leftover_ray_jobs(head: LocalHead) -> None:
+    """A failed test must not leave a training job holding the shared cluster's CPUs for the next one."""
+    ray = RayJobs(head.dashboard_url)
+    try:
+        for sub_id in ray.list_submission_ids():
+            info = ray.info(sub_id)
+            if info is not None and not info.is_terminal:
+                ray.stop(sub_id)
+                wait_for(lambda s=sub_id: ray.info(s).is_terminal, timeout=60, what=f"{sub_id} to stop")
+    finally:
+        ray.close()

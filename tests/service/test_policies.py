@@ -1,0 +1,66 @@
+"""Pure policies: admission (scheduler.pick) and retry (retry.decide), table-driven."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.models import EndReason
+from service.retry import decide
+from service.scheduler import Candidate, NodeFree, pick, place
+
+
+def cand(job_id: str, workers: int, cpu: float = 1.0, prio: int = 0, seq: float = 0.0, placement: str = "pack"):
+    return Candidate(job_id, prio, seq, workers, {"CPU": cpu}, placement)
+
+
+def nodes(*cpus: float) -> list[NodeFree]:
+    return [NodeFree(f"n{i}", {"CPU": c}) for i, c in enumerate(cpus)]
+
+
+@pytest.mark.parametrize(
+    ("queued", "free", "admitted"),
+    [
+        ([cand("a", 2)], nodes(2), ["a"]),
+        ([cand("a", 3)], nodes(2), []),  # never a partial group
+        ([cand("a", 2, seq=1), cand("b", 2, seq=2)], nodes(2), ["a"]),  # FIFO: only one fits
+        ([cand("a", 2, seq=2), cand("b", 2, seq=1)], nodes(2), ["b"]),
+        ([cand("a", 2, prio=0, seq=1), cand("b", 2, prio=5, seq=2)], nodes(2), ["b"]),  # priority first
+        ([cand("big", 4, seq=1), cand("small", 1, seq=2)], nodes(2), ["small"]),  # backfill past a blocked one
+        ([cand("a", 2, cpu=1.5)], nodes(2, 2), ["a"]),  # one worker per node
+        ([cand("a", 2, cpu=1.5)], nodes(2), []),  # a worker never spans nodes
+        ([cand("a", 2, placement="strict_pack")], nodes(1, 1), []),
+        ([cand("a", 2, placement="strict_spread")], nodes(4), []),
+        ([cand("a", 2, placement="strict_spread")], nodes(1, 1), ["a"]),
+        ([cand("a", 2), cand("b", 2, seq=1)], nodes(1, 1, 2), ["a", "b"]),
+    ],
+)
+def test_pick(queued: list[Candidate], free: list[NodeFree], admitted: list[str]) -> None:
+    assert pick(queued, free) == admitted
+
+
+def test_pick_without_backfill_is_strict_order() -> None:
+    assert pick([cand("big", 4, seq=1), cand("small", 1, seq=2)], nodes(2), backfill=False) == []
+
+
+def test_spread_and_pack_placement() -> None:
+    assert sorted(place(cand("a", 2, placement="spread"), nodes(4, 4))) == ["n0", "n1"]
+    assert place(cand("a", 2, placement="pack"), nodes(4, 4)) in (["n0", "n0"], ["n1", "n1"])
+
+
+@pytest.mark.parametrize(
+    ("reason", "attempt", "max_attempts", "retry", "delay"),
+    [
+        (EndReason.WORKER_LOST, 1, 3, True, 10.0),
+        (EndReason.NODE_LOST, 2, 3, True, 20.0),
+        (EndReason.INFRA, 3, 3, False, 0.0),  # exhausted
+        (EndReason.USER_ERROR, 1, 3, False, 0.0),  # deterministic: not retried
+        (EndReason.TIMEOUT, 1, 3, False, 0.0),
+        (EndReason.CANCELLED, 1, 3, False, 0.0),
+        (EndReason.SUCCEEDED, 1, 3, False, 0.0),
+        (EndReason.WORKER_LOST, 5, 10, True, 60.0),  # capped
+    ],
+)
+def test_retry_decide(reason: EndReason, attempt: int, max_attempts: int, retry: bool, delay: float) -> None:
+    d = decide(reason=reason, attempt=attempt, max_attempts=max_attempts, backoff_seconds=10, max_backoff_seconds=60)
+    assert d.retry is retry
+    assert d.delay_seconds == delay
