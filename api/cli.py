@@ -186,6 +186,8 @@ def status(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None,
         console.print_json(job.model_dump_json())
         return
     table = Table(show_header=False, box=None)
+    table.add_column(no_wrap=True)
+    table.add_column(overflow="fold")  # paths and URLs are for copying: fold them, never cut them
     for key in STATUS_FIELDS:
         value = getattr(job, key)
         if value is not None:
