@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ def strategy_loop(config: dict[str, Any]) -> None:
                 with prepared.autocast():
                     loss = torch.nn.functional.mse_loss(prepared.model(x), y)
             if prepared.backward(loss):
-                records.append({"step": prepared.step, "loss": loss.item()})
+                records.append({"step": prepared.step, "loss": loss.item(), "time": time.monotonic()})
                 every = config.get("checkpoint_every", 0)
                 prepared.report(
                     loss=loss, checkpoint=prepared.step == config["steps"] or bool(every and prepared.step % every == 0)

@@ -19,7 +19,9 @@ STRATEGIES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(STRATEGIES))
-def test_causal_lm_recipe_trains_and_saves_model(name: str, ray_connected: object, tmp_path: Path) -> None:
+def test_causal_lm_recipe_trains_and_saves_model(
+    name: str, ray_connected: object, deepspeed_ops: object, tmp_path: Path
+) -> None:
     import torch
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer

@@ -162,6 +162,10 @@ def prepare_deepspeed(
         hidden_size=getattr(getattr(model, "config", None), "hidden_size", None),
         optimizer_defaults={k: v for k, v in (client.defaults if client else {}).items() if k != "params"},
     )
+    if "optimizer" not in config and client is None:
+        raise ValueError(
+            "deepspeed: give the train loop's optimizer, or an optimizer section in strategy.deepspeed.config"
+        )
     if "optimizer" in config and client is not None:
         log.warning("the DeepSpeed config has an optimizer section: it replaces the optimizer the train loop gave")
         client = None
