@@ -73,6 +73,7 @@ class CheckpointPublic(_Out):
     uri: str
     metrics: dict[str, Any] | None = None
     complete: bool
+    pruned: bool = False
     created_at: datetime
 
 

@@ -180,7 +180,8 @@ class Checkpoint(SQLModel, table=True):
     step: int | None = None
     uri: str = Field(sa_column=Column(Text, nullable=False))
     metrics: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
-    complete: bool = True
+    complete: bool = True  # written in full and sealed (manifest checked); only complete ones are resumed from
+    pruned: bool = False  # deleted by the keep-N rule
     created_at: datetime = Field(default_factory=utcnow, sa_column=_tz())
 
 

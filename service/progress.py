@@ -40,16 +40,22 @@ def record_report(
     attempt: int,
     metrics: dict[str, Any],
     checkpoint_uri: str | None = None,
+    checkpoint_complete: bool = True,
+    keep: int | None = None,
     report_index: int = 0,
 ) -> bool:
-    """Store one `ray.train.report` (rank 0's metrics, and the checkpoint if any). False if fenced off."""
+    """Store one `ray.train.report` (rank 0's metrics, and the checkpoint if any). False if fenced off.
+
+    Only a complete checkpoint becomes the job's latest; with `keep`, older complete ones beyond the newest `keep`
+    are marked pruned, as Ray Train's `num_to_keep` deletes them.
+    """
     numeric = _numeric(metrics)
     step = int(metrics["step"]) if isinstance(metrics.get("step"), int | float) else report_index
     now = utcnow()
     with Session(engine) as session:
         begin_write(session)
         values: dict[str, Any] = {"step": step, "latest_metrics": numeric, "progress_at": now}
-        if checkpoint_uri:
+        if checkpoint_uri and checkpoint_complete:
             values["latest_checkpoint"] = checkpoint_uri
         result = session.execute(
             update(Job)
@@ -74,6 +80,18 @@ def record_report(
             )  # fmt: skip
         session.commit()
     return True
+
+
+def _mark_pruned(session: Session, *, job_id: str, keep: int) -> None:
+    session.flush()
+    live = session.exec(
+        select(Checkpoint)
+        .where(Checkpoint.job_id == job_id, Checkpoint.complete, Checkpoint.pruned == False)  # noqa: E712
+        .order_by(Checkpoint.id.desc())  # type: ignore[union-attr]
+    ).all()
+    for row in live[keep:]:
+        row.pruned = True
+        session.add(row)
 
 
 def record_attempt_end(engine: Engine, *, job_id: str, attempt: int, reason: EndReason, message: str) -> None:
