@@ -36,7 +36,8 @@ def train_loop(config: dict[str, Any]) -> None:
     every = int(config.get("checkpoint_every", 10))
     report_every = int(config.get("report_every", 1))
     step_sleep = float(config.get("step_sleep", 0.0))  # lets tests catch a job mid-run
-    fail_at = config.get("fail_at_step")  # fault tests: raise at this step on rank 0, first attempt only
+    fail_at = config.get("fail_at_step")  # fault tests: raise at this step on rank 0, first run only
+    crash_at = config.get("crash_at_step")  # fault tests: the rank-0 process dies at this step, first run only
     torch.manual_seed(int(config.get("seed", 0)))
 
     model = ray.train.torch.prepare_model(build_model(hidden=int(config.get("hidden", 64))))
@@ -67,8 +68,12 @@ def train_loop(config: dict[str, Any]) -> None:
             loss.backward()
             optimizer.step()
             step += 1
-            if fail_at is not None and step == int(fail_at) and ctx.get_world_rank() == 0 and checkpoint is None:
+            first_run = checkpoint is None and ctx.get_world_rank() == 0
+            if fail_at is not None and step == int(fail_at) and first_run:
                 raise RuntimeError(f"injected failure at step {step}")
+            if crash_at is not None and step == int(crash_at) and first_run:
+                print(f"crashing at step {step}", flush=True)
+                os._exit(1)
             if step_sleep:
                 time.sleep(step_sleep)
             metrics = {"step": step, "loss": float(loss.item()), "epoch": epoch}

@@ -20,8 +20,8 @@ from sqlmodel import Session, select
 
 from service import queue, retry, scheduler
 from service.db import session_scope
-from service.errors import InfraError, StaleWrite
-from service.models import Attempt, ClusterSnapshot, EndReason, Job, JobState, utcnow
+from service.errors import InfraError, InvalidSpec, StaleWrite
+from service.models import Attempt, Checkpoint, ClusterSnapshot, EndReason, Job, JobState, utcnow
 from service.ray_jobs import ClusterView, RayJobInfo, RayJobs
 from service.settings import Settings
 from service.spec import JobSpec
@@ -171,7 +171,7 @@ class Dispatcher:
         if state is JobState.CANCELLING:
             self._send_stop(attempt.submission_id)
             return
-        if self._timed_out(job):
+        if self._timed_out(job, attempt):
             self._mark_attempt(
                 attempt, EndReason.TIMEOUT, f"ran past timeout_seconds={job.spec.get('timeout_seconds')}"
             )
@@ -183,7 +183,11 @@ class Dispatcher:
                            actor=self.owner, message=f"workers placed; first report at step {job.step}")  # fmt: skip
 
     def _submit(self, job: Job, attempt: Attempt) -> None:
-        entrypoint, runtime_env, metadata = self.build_submission(job)
+        try:
+            entrypoint, runtime_env, metadata = self.build_submission(job)
+        except InvalidSpec as exc:
+            self._finish(job, attempt, EndReason.USER_ERROR, exc.detail, None)
+            return
         try:
             submitted_now = self.ray.submit(
                 submission_id=attempt.submission_id, entrypoint=entrypoint, runtime_env=runtime_env, metadata=metadata
@@ -234,9 +238,23 @@ class Dispatcher:
                 "SHUNTER_JOB_STORAGE": spec.checkpoint.storage or self.settings.absolute_storage_uri(),
             }
         )
+        resume = self._resume_uri(job, spec)
+        if resume:
+            env_vars["SHUNTER_RESUME_FROM"] = resume
         runtime_env["env_vars"] = env_vars
         metadata = {"shunter_job_id": job.id, "shunter_attempt": str(job.attempt), "name": job.name}
         return "python -m workers.driver", runtime_env, metadata
+
+    def _resume_uri(self, job: Job, spec: JobSpec) -> str | None:
+        """An explicit `checkpoint.resume_from: <id>` names one of the job's complete checkpoints."""
+        wanted = spec.checkpoint.resume_from
+        if not wanted.isdigit():
+            return None
+        with Session(self.engine) as session:
+            row = session.get(Checkpoint, int(wanted))
+        if row is None or row.job_id != job.id or not row.complete:
+            raise InvalidSpec(f"checkpoint.resume_from: job {job.id} has no complete checkpoint {wanted}")
+        return row.uri
 
     def _send_stop(self, sub_id: str) -> None:
         last = self._stop_sent.get(sub_id, 0.0)
@@ -244,9 +262,10 @@ class Dispatcher:
             self.ray.stop(sub_id)
             self._stop_sent[sub_id] = time.monotonic()
 
-    def _timed_out(self, job: Job) -> bool:
+    def _timed_out(self, job: Job, attempt: Attempt) -> bool:
+        """`timeout_seconds` bounds each attempt's run, counted from its admission."""
         limit = job.spec.get("timeout_seconds")
-        return bool(limit and job.started_at and utcnow() - job.started_at > timedelta(seconds=float(limit)))
+        return bool(limit and utcnow() - attempt.started_at > timedelta(seconds=float(limit)))
 
     def _classify(self, job: Job, attempt: Attempt, info: RayJobInfo) -> EndReason:
         """Why the attempt ended: the driver's own record first, then what Ray says."""
@@ -284,6 +303,7 @@ class Dispatcher:
             max_attempts=spec.retries.max_attempts,
             backoff_seconds=spec.retries.backoff_seconds,
             max_backoff_seconds=spec.retries.max_backoff_seconds,
+            retry_on_timeout=spec.retries.retry_on_timeout,
         )
         now = utcnow()
         with session_scope(self.engine) as session:

@@ -15,7 +15,13 @@ class RetryDecision:
 
 
 def decide(
-    *, reason: EndReason, attempt: int, max_attempts: int, backoff_seconds: float, max_backoff_seconds: float
+    *,
+    reason: EndReason,
+    attempt: int,
+    max_attempts: int,
+    backoff_seconds: float,
+    max_backoff_seconds: float,
+    retry_on_timeout: bool = False,
 ) -> RetryDecision:
     """Retry a retryable end while attempts remain, after exponential backoff (doubling, capped).
 
@@ -24,7 +30,7 @@ def decide(
     """
     if reason is EndReason.SUCCEEDED:
         return RetryDecision(False, why="succeeded")
-    if not reason.is_retryable():
+    if not (reason.is_retryable() or (reason is EndReason.TIMEOUT and retry_on_timeout)):
         return RetryDecision(False, why=f"{reason.value} is not retryable")
     if attempt >= max_attempts:
         return RetryDecision(False, why=f"attempts exhausted ({attempt}/{max_attempts})")

@@ -141,12 +141,20 @@ class Retries(StrictModel):
     max_attempts: int = Field(1, ge=1, le=100, description="whole runs by shunter, each resuming from a checkpoint")
     backoff_seconds: float = Field(30.0, ge=0, le=86400)
     max_backoff_seconds: float = Field(600.0, ge=0, le=86400)
+    retry_on_timeout: bool = Field(False, description="a timed-out attempt is retried only when asked")
 
 
 class CheckpointSpec(StrictModel):
     storage: str | None = Field(None, description="local path or fsspec/pyarrow URI; default from settings")
     keep: int = Field(3, ge=1, le=1000)
-    resume_from: str = Field("latest", description="latest | none | a checkpoint id")
+    resume_from: str = Field("latest", description="latest | none | the id of one of the job's checkpoints")
+
+    @field_validator("resume_from")
+    @classmethod
+    def _resume_form(cls, value: str) -> str:
+        if value not in ("latest", "none") and not value.isdigit():
+            raise ValueError(f"must be 'latest', 'none' or a checkpoint id (a number), got {value!r}")
+        return value
 
 
 class JobSpec(StrictModel):

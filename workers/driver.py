@@ -19,22 +19,27 @@ log = logging.getLogger("shunter.driver")
 
 
 def classify_failure(exc: BaseException) -> EndReason:
-    """Name why training failed, from the exception Ray Train raised."""
-    text = f"{type(exc).__name__}: {exc}"
-    worker_errors = getattr(exc, "worker_failures", None) or {}
-    text += " " + " ".join(f"{type(e).__name__}: {e}" for e in worker_errors.values())
+    """Name why training failed, from the exceptions Ray Train raised (the workers' own ones first).
+
+    Types decide before text, and text patterns stay narrow: Ray's generic "worker died" message mentions the OOM
+    killer as one possible cause, which must not turn every lost worker into an out-of-memory failure.
+    """
+    failures = list((getattr(exc, "worker_failures", None) or {}).values()) or [exc]
+    names = {type(e).__name__ for e in failures} | {type(exc).__name__}
+    text = " ".join(f"{type(e).__name__}: {e}" for e in [exc, *failures])
     lowered = text.lower()
-    if "outofmemory" in lowered.replace(" ", "") or "out of memory" in lowered or "oom" in lowered.split():
+    if "OutOfMemoryError" in names or "cuda out of memory" in lowered or "running low on memory" in lowered:
         return EndReason.OUT_OF_MEMORY
-    if "nccl" in lowered and ("timeout" in lowered or "hang" in lowered) or "NCCLHangError" in text:
+    if "NCCLHangError" in names or "collective operation timeout" in lowered or (
+        ("nccl" in lowered or "gloo" in lowered) and "timed out" in lowered
+    ):
         return EndReason.COLLECTIVE_TIMEOUT
-    if "gloo" in lowered and "timeout" in lowered:
-        return EndReason.COLLECTIVE_TIMEOUT
-    if "node" in lowered and ("died" in lowered or "lost" in lowered or "removed" in lowered):
+    if "NodeDiedError" in names or "its node has died" in lowered or "node was terminated" in lowered:
         return EndReason.NODE_LOST
-    if "ActorDiedError" in text or "actor died" in lowered or "WorkerCrashedError" in text or "SYSTEM_ERROR" in text:
+    lost = {"ActorDiedError", "WorkerCrashedError", "ActorUnavailableError"}
+    if names & lost or "worker process has died" in lowered:
         return EndReason.WORKER_LOST
-    if type(exc).__name__ == "ControllerError":
+    if "ControllerError" in names:
         return EndReason.INFRA
     return EndReason.USER_ERROR
 
@@ -58,8 +63,9 @@ def build_trainer(spec, *, job_id: str, attempt: int, storage: str, database_url
     )
     callbacks = [ProgressCallback(database_url=database_url, job_id=job_id, attempt=attempt)] if database_url else []
     storage_path, filesystem = filesystem_for(storage)
+    run_name = run_name_for(spec, job_id=job_id, attempt=attempt)
     run_config = RunConfig(
-        name=job_id,  # the same name on every attempt: Ray Train resumes from the run's latest checkpoint
+        name=run_name,
         storage_path=storage_path,
         storage_filesystem=filesystem,
         checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep),
@@ -74,6 +80,17 @@ def build_trainer(spec, *, job_id: str, attempt: int, storage: str, database_url
         run_config=run_config,
         torch_config=TorchConfig(backend="nccl" if res.use_gpu else "gloo"),
     )
+
+
+def run_name_for(spec, *, job_id: str, attempt: int) -> str:  # noqa: ANN001
+    """The Ray Train run name for `checkpoint.resume_from`.
+
+    latest: every attempt reuses `<job id>`, so Ray Train restores the run's own checkpoint record and
+    `get_checkpoint()` returns its newest checkpoint, whichever earlier attempt wrote it. none, or an explicit
+    checkpoint id: a fresh run per attempt; for an id, the dispatcher puts its URI in SHUNTER_RESUME_FROM, where
+    `workers.checkpoint` loads it from (Train V2 refuses `TorchTrainer(resume_from_checkpoint=...)`).
+    """
+    return job_id if spec.checkpoint.resume_from == "latest" else f"{job_id}-attempt{attempt}"
 
 
 def main() -> int:
