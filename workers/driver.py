@@ -30,18 +30,38 @@ def classify_failure(exc: BaseException) -> EndReason:
     lowered = text.lower()
     if "OutOfMemoryError" in names or "cuda out of memory" in lowered or "running low on memory" in lowered:
         return EndReason.OUT_OF_MEMORY
-    if "NCCLHangError" in names or "collective operation timeout" in lowered or (
-        ("nccl" in lowered or "gloo" in lowered) and "timed out" in lowered
+    if names & {"NCCLHangError", "CollectiveTimeoutError", "BroadcastCollectiveTimeoutError"} or (
+        "collective operation timeout" in lowered
+        or (("nccl" in lowered or "gloo" in lowered) and "timed out" in lowered)
     ):
         return EndReason.COLLECTIVE_TIMEOUT
     if "NodeDiedError" in names or "its node has died" in lowered or "node was terminated" in lowered:
         return EndReason.NODE_LOST
-    lost = {"ActorDiedError", "WorkerCrashedError", "ActorUnavailableError"}
-    if names & lost or "worker process has died" in lowered:
-        return EndReason.WORKER_LOST
+    health = {"WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError"}
+    lost = {"ActorDiedError", "WorkerCrashedError", "ActorUnavailableError"} | health
+    if names & lost or "worker process has died" in lowered or "health check failed" in lowered:
+        return EndReason.NODE_LOST if _named_node_is_dead(text) else EndReason.WORKER_LOST
+    if names & {"WorkerGroupStartupTimeoutError", "InsufficientClusterResourcesError"}:
+        return EndReason.NO_RESOURCES
     if "ControllerError" in names:
         return EndReason.INFRA
     return EndReason.USER_ERROR
+
+
+def _named_node_is_dead(text: str) -> bool:
+    """Whether a node named in the failure (`node_id='…'`) is gone from the cluster: a lost node, not a lost worker."""
+    import re
+
+    node_ids = set(re.findall(r"node_id='([0-9a-f]{16,})'", text))
+    if not node_ids:
+        return False
+    try:
+        import ray
+
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    except Exception:  # noqa: BLE001 - without Ray's view, say only what is certain: a worker was lost
+        return False
+    return bool(node_ids - alive)
 
 
 def build_trainer(spec, *, job_id: str, attempt: int, storage: str, database_url: str | None):  # noqa: ANN001, ANN201

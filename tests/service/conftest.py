@@ -162,3 +162,57 @@ def stop_leftover_ray_jobs(head: LocalHead) -> None:
                 wait_for(lambda s=sub_id: ray.info(s).is_terminal, timeout=60, what=f"{sub_id} to stop")
     finally:
         ray.close()
+
+
+@dataclass
+class MultiNode:
+    """A Ray cluster of several nodes on this machine (`ray.cluster_utils.Cluster`), with its Jobs API."""
+
+    cluster: object
+    head: LocalHead
+    workers: dict[str, object]  # name -> node handle
+
+
+@pytest.fixture
+def multinode(tmp_path: Path) -> Iterator[MultiNode]:
+    """Head (1 CPU) + nodes `a` and `b` (1 CPU each, with custom resources `node_a` / `node_b`)."""
+    from ray.cluster_utils import Cluster
+
+    from service.ray_local import head_environment
+
+    saved = dict(os.environ)
+    # Node processes inherit this environment: the venv's python on PATH for `python -m workers.driver`,
+    # the checkout on PYTHONPATH for `examples.*`, graceful stops.
+    os.environ.update(head_environment(str(Path(__file__).resolve().parents[2])))
+    dashboard_port = free_port()
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "include_dashboard": True,
+            "dashboard_host": "127.0.0.1",
+            "dashboard_port": dashboard_port,
+            "resources": {"head": 1},
+        },
+    )
+    try:
+        workers = {name: cluster.add_node(num_cpus=1, resources={f"node_{name}": 1}) for name in ("a", "b")}
+        cluster.wait_for_nodes()
+        head = LocalHead(
+            gcs_address=cluster.address, dashboard_url=f"http://127.0.0.1:{dashboard_port}", temp_dir=str(tmp_path)
+        )
+        wait_for(lambda: httpx.get(f"{head.dashboard_url}/api/version").status_code == 200, what="dashboard")
+        yield MultiNode(cluster=cluster, head=head, workers=workers)
+    finally:
+        cluster.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def train_worker_nodes(dashboard_url: str, submission_id: str) -> list[str]:
+    """Node ids of the live RayTrainWorker actors of one Ray Job."""
+    from ray.util.state import list_actors
+
+    ray_job_id = httpx.get(f"{dashboard_url}/api/jobs/{submission_id}", timeout=10).json()["job_id"]
+    actors = list_actors(address=dashboard_url, filters=[("state", "=", "ALIVE")], limit=1000)
+    return [a.node_id for a in actors if a.job_id == ray_job_id and "RayTrainWorker" in (a.class_name or "")]

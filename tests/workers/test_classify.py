@@ -1,0 +1,43 @@
+"""The driver's failure classes, from the exception types Ray Train raises (no cluster needed)."""
+
+from __future__ import annotations
+
+import pytest
+from ray.train import WorkerGroupError
+from ray.train.v2._internal.exceptions import (
+    CollectiveTimeoutError,
+    UserExceptionWithTraceback,
+    WorkerHealthCheckFailedError,
+)
+
+from service.models import EndReason
+from workers.driver import classify_failure
+
+GENERIC_DEATH = (
+    "The actor is dead because its worker process has died. Some common causes include: (1) the process was killed "
+    "by the OOM killer due to high memory usage"
+)
+
+
+def group(*errors: Exception) -> WorkerGroupError:
+    return WorkerGroupError("Training failed due to worker errors", dict(enumerate(errors)))
+
+
+@pytest.mark.parametrize(
+    ("exc", "reason"),
+    [
+        (group(UserExceptionWithTraceback(RuntimeError("boom"), "tb")), EndReason.USER_ERROR),
+        (group(RuntimeError("injected failure at step 5")), EndReason.USER_ERROR),
+        (group(WorkerHealthCheckFailedError("A worker health check failed.", RuntimeError(GENERIC_DEATH))),
+         EndReason.WORKER_LOST),
+        (group(RuntimeError(GENERIC_DEATH)), EndReason.WORKER_LOST),  # "OOM killer" in the hint is not an OOM
+        (group(RuntimeError("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB")),
+         EndReason.OUT_OF_MEMORY),
+        (group(RuntimeError("Task was killed due to the node running low on memory.")), EndReason.OUT_OF_MEMORY),
+        (group(CollectiveTimeoutError("collective timed out")), EndReason.COLLECTIVE_TIMEOUT),
+        (group(RuntimeError("Watchdog caught collective operation timeout: NCCL")), EndReason.COLLECTIVE_TIMEOUT),
+        (group(RuntimeError("The actor died because its node has died. Node Id: ab")), EndReason.NODE_LOST),
+    ],
+)  # fmt: skip
+def test_classify(exc: BaseException, reason: EndReason) -> None:
+    assert classify_failure(exc) is reason
