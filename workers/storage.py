@@ -1,28 +1,134 @@
-"""Where checkpoints go: a local/shared path or an object-store URI, as a pyarrow filesystem for Ray Train."""
+"""Where checkpoints go: a local/shared path or an object-store URI, as a pyarrow filesystem for Ray Train.
+
+`s3://bucket/prefix` works against AWS or any S3-compatible server (MinIO, Ceph, moto): the endpoint comes from
+SHUNTER_S3_ENDPOINT_URL (or AWS_ENDPOINT_URL), credentials and region from the standard AWS_* variables.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
-from typing import Any
+import posixpath
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pyarrow import fs as pafs
+    from ray.train import Checkpoint
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "shunter-manifest.json"  # the name workers.checkpoint seals a checkpoint with (kept here: no torch import)
+ENV_S3_ENDPOINT = "SHUNTER_S3_ENDPOINT_URL"
+
+
+def s3_filesystem() -> pafs.S3FileSystem:
+    """A pyarrow S3 filesystem from SHUNTER_S3_ENDPOINT_URL and the standard AWS_* variables."""
+    from pyarrow import fs
+
+    kwargs: dict[str, Any] = {}
+    endpoint = os.environ.get(ENV_S3_ENDPOINT) or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        scheme, sep, host = endpoint.partition("://")
+        # pyarrow wants host[:port] and the scheme apart; a bare host means https, as for AWS itself.
+        kwargs["endpoint_override"] = host.rstrip("/") if sep else endpoint.rstrip("/")
+        kwargs["scheme"] = scheme if sep else "https"
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        kwargs["region"] = region
+    elif endpoint:
+        # Without a region pyarrow asks AWS where the bucket lives, which a private endpoint cannot answer.
+        kwargs["region"] = "us-east-1"
+    key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+    if key and secret:
+        # Explicit keys travel with the pickled filesystem to the Train controller and workers on every node, which
+        # need not have the driver's environment; without them each process falls back to its own AWS chain.
+        kwargs["access_key"], kwargs["secret_key"] = key, secret
+        if os.environ.get("AWS_SESSION_TOKEN"):
+            kwargs["session_token"] = os.environ["AWS_SESSION_TOKEN"]
+    # Ray Train creates `bucket/prefix/<run>` with create_dir; on a fresh bucket (a new MinIO, a test server) that
+    # must be allowed to create the bucket, and it is a no-op where the bucket exists.
+    return fs.S3FileSystem(allow_bucket_creation=True, **kwargs)
 
 
 def filesystem_for(uri: str) -> tuple[str, Any]:
-    """(storage_path, pyarrow filesystem or None) for `RunConfig`. s3:// honours SHUNTER_S3_ENDPOINT_URL."""
+    """(storage_path, pyarrow filesystem or None) for `RunConfig(storage_path=..., storage_filesystem=...)`."""
     if "://" not in uri:
         os.makedirs(uri, exist_ok=True)
         return uri, None
     scheme, _, rest = uri.partition("://")
-    if scheme == "s3":
-        from pyarrow import fs
-
-        endpoint = os.environ.get("SHUNTER_S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL")
-        kwargs: dict[str, Any] = {}
-        if endpoint:
-            kwargs["endpoint_override"] = endpoint
-            kwargs["scheme"] = "https" if endpoint.startswith("https") else "http"
-        if os.environ.get("AWS_REGION"):
-            kwargs["region"] = os.environ["AWS_REGION"]
-        return rest, fs.S3FileSystem(**kwargs)
+    if scheme in ("s3", "s3a"):
+        # With an explicit filesystem Ray Train wants the path without its scheme: `bucket/prefix`.
+        path = rest.strip("/")
+        if not path:
+            raise ValueError(f"checkpoint storage {uri!r} names no bucket")
+        return path, s3_filesystem()
     if scheme == "file":
+        os.makedirs(rest, exist_ok=True)
         return rest, None
-    return uri, None
+    return uri, None  # gs://, hdfs://, ...: pyarrow resolves these from the URI and the environment
+
+
+def uri_of(path: str, filesystem: Any) -> str:
+    """A URI for `path` on `filesystem` that a user, the API and `filesystem_for` understand."""
+    kind = getattr(filesystem, "type_name", "local") if filesystem is not None else "local"
+    if kind == "local":
+        return path
+    if kind == "s3":
+        return f"s3://{path.lstrip('/')}"
+    if kind == "gcs":
+        return f"gs://{path.lstrip('/')}"
+    return f"{kind}://{path.lstrip('/')}"
+
+
+def checkpoint_at(uri: str) -> Checkpoint:
+    """A `ray.train.Checkpoint` for a path or URI, on the filesystem shunter configures for it (S3 endpoint)."""
+    from ray.train import Checkpoint
+
+    path, filesystem = (uri, None) if "://" not in uri else filesystem_for(uri)
+    return Checkpoint(path, filesystem=filesystem) if filesystem is not None else Checkpoint(uri)
+
+
+def checkpoint_complete(checkpoint: Checkpoint, *, checksums: bool = False) -> bool:
+    """Whether `checkpoint` matches its shunter manifest: every listed file present with its size (and sha256 with
+    `checksums`, which reads every byte: too slow for large remote checkpoints on every report).
+
+    A checkpoint without a manifest counts as complete: it was not written by shunter's helpers (a script-mode or
+    recipe checkpoint), and Ray Train hands a checkpoint to callbacks only after every rank's upload returned, so
+    nothing partial can be reported. The manifest is what catches the rest: a checkpoint copied or uploaded in part,
+    files changed afterwards, or a manifest that lists more than arrived.
+    """
+    from pyarrow import fs
+
+    filesystem = checkpoint.filesystem or fs.LocalFileSystem()
+    root = checkpoint.path.rstrip("/")
+    manifest_path = posixpath.join(root, MANIFEST)
+    info = filesystem.get_file_info(manifest_path)
+    if info.type == fs.FileType.NotFound:
+        return True
+    try:
+        with filesystem.open_input_stream(manifest_path) as stream:
+            files: dict[str, dict[str, Any]] = json.loads(stream.read())["files"]
+        names = list(files)
+        infos = filesystem.get_file_info([posixpath.join(root, name) for name in names])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("checkpoint %s: unreadable manifest (%s)", uri_of(root, checkpoint.filesystem), exc)
+        return False
+    for name, found in zip(names, infos, strict=True):
+        entry = files[name]
+        if found.type != fs.FileType.File or found.size != entry.get("size"):
+            log.warning("checkpoint %s: %s is missing or has the wrong size", uri_of(root, checkpoint.filesystem), name)
+            return False
+        if checksums and entry.get("sha256") and _sha256(filesystem, found.path) != entry["sha256"]:
+            log.warning("checkpoint %s: %s does not match its sha256", uri_of(root, checkpoint.filesystem), name)
+            return False
+    return True
+
+
+def _sha256(filesystem: Any, path: str) -> str:
+    digest = hashlib.sha256()
+    with filesystem.open_input_stream(path) as stream:
+        while block := stream.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
