@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from datetime import datetime, timedelta
@@ -229,6 +230,9 @@ class Dispatcher:
         # torchrun sets OMP_NUM_THREADS; Ray workers do not, and oversubscribed OpenMP threads slow steps a lot.
         env_vars.setdefault("OMP_NUM_THREADS", str(max(1, int(cpus))))
         env_vars.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(self.settings.train_poll_seconds))
+        # Object-store settings the service was given reach the job too (the spec's env_vars win).
+        for name, value in forwarded_environment().items():
+            env_vars.setdefault(name, value)
         env_vars.update(
             {
                 "SHUNTER_JOB_SPEC": spec.model_dump_json(),
@@ -341,6 +345,15 @@ class Dispatcher:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         return str(path)
+
+
+# Where the object store is, for jobs of a service that was told. Credentials are not forwarded: a Ray Job's
+# runtime_env is shown in the dashboard; give the cluster its own (instance roles, its environment).
+FORWARDED_ENV = ("SHUNTER_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION")
+
+
+def forwarded_environment() -> dict[str, str]:
+    return {name: os.environ[name] for name in FORWARDED_ENV if os.environ.get(name)}
 
 
 def _candidate(job: Job) -> scheduler.Candidate:

@@ -70,10 +70,11 @@ def record_report(
                 session.add(Metric(job_id=job_id, attempt=attempt, step=step, name=name, value=value, at=now))
         if checkpoint_uri:
             session.add(
-                Checkpoint(
-                    job_id=job_id, attempt=attempt, step=step, uri=checkpoint_uri, metrics=numeric, created_at=now
-                )
-            )
+                Checkpoint(job_id=job_id, attempt=attempt, step=step, uri=checkpoint_uri, metrics=numeric,
+                           complete=checkpoint_complete, created_at=now)
+            )  # fmt: skip
+            if keep is not None and checkpoint_complete:
+                _mark_pruned(session, job_id=job_id, keep=keep)
             session.add(
                 JobEvent(job_id=job_id, kind="checkpoint", reason="checkpoint_saved", message=checkpoint_uri,
                          attempt=attempt, at=now)

@@ -168,7 +168,9 @@ def resume_point(resume_from: Any = None) -> Any:
     if resume_from is None:
         resume_from = os.environ.get(ENV_RESUME_FROM) or None
     if isinstance(resume_from, str | Path):
-        return ray.train.Checkpoint(str(resume_from))
+        from workers.storage import checkpoint_at
+
+        return checkpoint_at(str(resume_from))  # an s3:// URI needs shunter's endpoint settings to be reachable
     return resume_from
 
 

@@ -81,7 +81,11 @@ def build_trainer(spec, *, job_id: str, attempt: int, storage: str, database_url
         resources_per_worker=per_worker,
         placement_strategy=res.placement.ray_strategy,
     )
-    callbacks = [ProgressCallback(database_url=database_url, job_id=job_id, attempt=attempt)] if database_url else []
+    callbacks = (
+        [ProgressCallback(database_url=database_url, job_id=job_id, attempt=attempt, keep=spec.checkpoint.keep)]
+        if database_url
+        else []
+    )
     storage_path, filesystem = filesystem_for(storage)
     run_name = run_name_for(spec, job_id=job_id, attempt=attempt)
     run_config = RunConfig(
