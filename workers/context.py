@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
+from pathlib import Path
 
 from service.spec import JobSpec
 
@@ -33,3 +35,16 @@ def job_id() -> str | None:
 
 def attempt() -> int:
     return int(os.environ.get(ENV_ATTEMPT, "1"))
+
+
+def locate(path: str, *, field: str) -> Path:
+    """A file a spec names: as given (absolute, or from the working dir, which is the job's `working_dir`), else found
+    under an import root (a local head started by `shunter serve` has the checkout on PYTHONPATH)."""
+    candidate = Path(path)
+    if candidate.is_absolute() or candidate.exists():
+        return candidate.resolve()
+    for root in sys.path:
+        found = Path(root or ".") / path
+        if found.exists():
+            return found.resolve()
+    raise FileNotFoundError(f"{field}: {path} not found (working dir {os.getcwd()})")

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from workers.context import locate
+
 TORCHRUN_VARS = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
     "ROLE_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
@@ -26,16 +28,8 @@ TORCHRUN_VARS = (
 
 
 def resolve_script(script: str) -> Path:
-    """The script's path: as given (absolute or from the working dir, which is the job's `working_dir`), else
-    found under an import root (the repository the job was submitted from)."""
-    path = Path(script)
-    if path.is_absolute() or path.exists():
-        return path.resolve()
-    for root in sys.path:
-        candidate = Path(root or ".") / script
-        if candidate.is_file():
-            return candidate.resolve()
-    raise FileNotFoundError(f"entrypoint.script: {script} not found (working dir {os.getcwd()})")
+    """The script's path (see `workers.context.locate`)."""
+    return locate(script, field="entrypoint.script")
 
 
 def _free_port(address: str) -> int:

@@ -9,7 +9,7 @@ Config (`config:` of the job spec):
   epochs defaults to 1, or to "until max_steps" when only max_steps is given;
   strategy (optional: a strategy dict, for plain Ray Train use outside shunter)
 Runs under whatever strategy the spec names; the final model is written with `save_pretrained` to
-`<job storage>/model` (SHUNTER_JOB_STORAGE, else the Ray Train run folder).
+`<job storage>/<job id>/model` (SHUNTER_JOB_STORAGE, else the Ray Train run folder).
 """
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ def load_model(config: dict[str, Any]) -> torch.nn.Module:
 
 
 def read_texts(path: str, text_field: str = "text") -> list[str]:
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"config.dataset_path: {path} not found")
+    from workers.context import locate
+
+    file = locate(path, field="config.dataset_path")
     if file.suffix in (".jsonl", ".json"):
         return [json.loads(line)[text_field] for line in file.read_text().splitlines() if line.strip()]
     return [file.read_text()]
@@ -97,12 +97,12 @@ def output_location() -> tuple[str, Any]:
 
     storage = os.environ.get(ENV_STORAGE)
     if storage:
-        if "://" in storage:
-            import pyarrow.fs
+        # Beside the job's checkpoints: <storage>/<job id>/model.
+        from workers.context import job_id
+        from workers.storage import filesystem_for
 
-            filesystem, path = pyarrow.fs.FileSystem.from_uri(storage)
-            return f"{path}/model", filesystem
-        return str(Path(storage) / "model"), None
+        path, filesystem = filesystem_for(storage)
+        return f"{path.rstrip('/')}/{job_id() or 'adhoc'}/model", filesystem
     context = ray.train.get_context().get_storage()
     return f"{context.experiment_fs_path}/model", context.storage_filesystem
 

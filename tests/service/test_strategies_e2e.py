@@ -1,0 +1,70 @@
+"""Each way of bringing training code, named in the spec and run through the real service: nothing else to change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.service.conftest import Service
+
+pytestmark = pytest.mark.slow
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def example(name: str, **config: object) -> dict:
+    spec = yaml.safe_load((EXAMPLES / name).read_text())
+    spec["config"] = {**spec.get("config", {}), **config}
+    return spec
+
+
+def test_deepspeed_zero3_job_via_rest(service: Service) -> None:
+    with service.client() as c:
+        job = c.wait(c.submit(example("gpt2-zero3.yaml", steps=12, checkpoint_every=6)).id, timeout=300)
+        assert job.state == "SUCCEEDED", job.last_error
+        losses = [m.value for m in c.metrics(job.id, name="loss")]
+        assert len(losses) == 12 and losses[-1] < losses[0]
+        ckpts = c.checkpoints(job.id)
+        assert [k.step for k in ckpts] == [6, 12] and all(k.complete for k in ckpts)
+        assert Path(job.latest_checkpoint, "shunter-manifest.json").is_file()
+
+
+def test_fsdp_job_via_rest(service: Service) -> None:
+    with service.client() as c:
+        job = c.wait(c.submit(example("gpt2-fsdp.yaml", steps=8, checkpoint_every=4)).id, timeout=300)
+        assert job.state == "SUCCEEDED", job.last_error
+        losses = [m.value for m in c.metrics(job.id, name="loss")]
+        assert losses[-1] < losses[0]
+        assert Path(job.latest_checkpoint, "shunter-manifest.json").is_file()
+
+
+def test_unchanged_torchrun_script_via_rest(service: Service) -> None:
+    with service.client() as c:
+        job = c.wait(c.submit(example("torchrun-ddp.yaml")).id, timeout=300)
+        assert job.state == "SUCCEEDED", job.last_error
+        logs = c.logs(job.id)
+        assert "[shunter] rank 0/2" in logs and "[shunter] rank 1/2" in logs
+        assert "Epoch 1 complete" in logs  # the script's own output, from rank 0
+
+
+def test_failing_script_fails_the_job(service: Service, tmp_path: Path) -> None:
+    script = tmp_path / "fails.py"
+    script.write_text("import os, sys\nprint('rank', os.environ['RANK'], flush=True)\nsys.exit(3)\n")
+    with service.client() as c:
+        job = c.wait(c.submit({"name": "fails", "entrypoint": {"script": str(script)},
+                               "resources": {"num_workers": 2}}).id, timeout=240)  # fmt: skip
+        assert job.state == "FAILED" and job.end_reason == "user_error"
+        assert "exit" in (job.last_error or "").lower()
+
+
+def test_causal_lm_recipe_via_rest_saves_a_loadable_model(service: Service) -> None:
+    from transformers import AutoModelForCausalLM
+
+    with service.client() as c:
+        job = c.wait(c.submit(example("causal-lm.yaml", max_steps=6, checkpoint_every=3)).id, timeout=300)
+        assert job.state == "SUCCEEDED", job.last_error
+        assert (job.latest_metrics or {}).get("tokens_per_s", 0) > 0
+        model_dir = service.data_dir / "checkpoints" / job.id / "model"
+        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+        assert model.config.n_layer == 2
