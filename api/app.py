@@ -14,8 +14,12 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import text
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api import metrics
 from api.deps import RuntimeDep
+from api.routes import cluster as cluster_routes
+from api.routes import events as events_routes
 from api.routes import jobs as jobs_routes
+from api.schemas import ReadyBody
 from service.errors import ShunterError
 from service.runtime import Runtime
 from service.settings import Settings
@@ -52,11 +56,13 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         rt = runtime or Runtime.open(settings, manage_local_ray=manage_local_ray)
         app.state.runtime = rt
+        collector = metrics.attach(registry, rt)
         if run_dispatcher:
             rt.start_dispatcher(owner=dispatcher_id or settings.resolved_dispatcher_id())
         try:
             yield
         finally:
+            registry.unregister(collector)
             if runtime is None:
                 rt.close()
 
@@ -66,6 +72,8 @@ def create_app(
         summary="A durable queue in front of Ray Train: submit distributed training jobs, watch them, get them back.",
         lifespan=lifespan,
     )
+
+    registry = metrics.install(app)
 
     @app.exception_handler(ShunterError)
     async def _shunter_error(_: Request, exc: ShunterError) -> JSONResponse:
@@ -83,6 +91,10 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and "parsing the body" in str(exc.detail):
+            # A body that is not even text (bad UTF-8) is invalid JSON like any other: the same 422.
+            body = {"detail": "body: not valid JSON", "code": "invalid_request", "field": "body"}
+            return JSONResponse(status_code=422, content=body)
         return JSONResponse(status_code=exc.status_code, content={"detail": str(exc.detail), "code": "http_error"})
 
     @app.exception_handler(Exception)
@@ -98,7 +110,7 @@ def create_app(
         """The process answers."""
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["health"])
+    @app.get("/readyz", tags=["health"], response_model=ReadyBody, responses={503: {"model": ReadyBody}})
     def readyz(rt: RuntimeDep) -> JSONResponse:
         """Ready when both the database and Ray answer."""
         checks = {"database": False, "ray": False}
@@ -113,4 +125,7 @@ def create_app(
         return JSONResponse(status_code=200 if ready else 503, content={"ready": ready, "checks": checks})
 
     app.include_router(jobs_routes.router)
+    app.include_router(events_routes.router)
+    app.include_router(cluster_routes.router)
+    app.include_router(metrics.router)
     return app

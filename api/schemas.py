@@ -96,3 +96,55 @@ class ErrorBody(BaseModel):
     code: str
     field: str | None = None
     errors: list[dict[str, Any]] | None = None
+
+
+class NodePublic(BaseModel):
+    node_id: str
+    address: str | None = None
+    alive: bool = True
+    total: dict[str, float]
+    available: dict[str, float]
+
+
+class ClusterJob(BaseModel):
+    """A shunter job admitted to Ray and not yet ended, with the resources its worker group holds."""
+
+    id: str
+    name: str
+    owner: str
+    queue: str
+    state: str
+    attempt: int
+    resources: dict[str, float]
+    started_at: datetime | None = None
+    ray_submission_id: str | None = None
+    ray_dashboard_url: str | None = None
+
+
+class ClusterPublic(BaseModel):
+    """The Ray cluster as a dispatcher last saw it (the API never asks Ray); `taken_at` is None before that."""
+
+    dashboard_url: str | None = None
+    taken_at: datetime | None = None
+    age_seconds: float | None = None
+    nodes: list[NodePublic]
+    total: dict[str, float]
+    available: dict[str, float]
+    # Which node holds which worker is not recorded yet: running jobs are listed for the whole cluster.
+    jobs: list[ClusterJob]
+
+
+class ReadyBody(BaseModel):
+    ready: bool
+    checks: dict[str, bool]
+
+
+_ERROR = {"model": ErrorBody}
+# Documented on every /v1 route: what the one error handler can answer, all in the ErrorBody shape.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: {**_ERROR, "description": "no or unknown bearer token (when tokens are configured)"},
+    404: {**_ERROR, "description": "no such job, or not the caller's"},
+    409: {**_ERROR, "description": "conflicts with the job's state or an idempotency key"},
+    422: {**_ERROR, "description": "invalid request; `field` names the problem"},
+    503: {**_ERROR, "description": "Ray or the database does not answer; try again"},
+}

@@ -13,6 +13,7 @@ from sqlmodel import Session, col, select
 
 from service.errors import Conflict, InvalidSpec, NotFound, StaleWrite
 from service.models import Attempt, Checkpoint, ClusterSnapshot, Job, JobEvent, JobState, Metric, utcnow
+from service.settings import Settings
 from service.spec import JobSpec
 from service.state import record_event, transition
 
@@ -61,8 +62,18 @@ def check_fits_cluster(spec: JobSpec, snapshot: ClusterSnapshot | None) -> None:
         )
 
 
-def submit(session: Session, spec: JobSpec, *, caller: Caller, idempotency_key: str | None = None) -> tuple[Job, bool]:
-    """Queue a job. Returns (job, created); a replay of the same idempotency key and body returns the first job."""
+def submit(
+    session: Session,
+    spec: JobSpec,
+    *,
+    caller: Caller,
+    idempotency_key: str | None = None,
+    settings: Settings | None = None,
+) -> tuple[Job, bool]:
+    """Queue a job. Returns (job, created); a replay of the same idempotency key and body returns the first job.
+
+    A job the cluster can never hold is refused (422), or, when `cluster_may_grow`, held with that reason.
+    """
     digest = spec_hash(spec)
     if idempotency_key:
         existing = session.exec(
@@ -70,7 +81,17 @@ def submit(session: Session, spec: JobSpec, *, caller: Caller, idempotency_key: 
         ).first()
         if existing is not None:
             return _replay(existing, digest, idempotency_key)
-    check_fits_cluster(spec, session.get(ClusterSnapshot, 1))
+    reason = "waiting for resources"
+    if settings is not None:
+        from service.queues import check_known
+
+        check_known(session, settings, spec.queue)
+    try:
+        check_fits_cluster(spec, session.get(ClusterSnapshot, 1))
+    except InvalidSpec as exc:
+        if settings is None or not settings.cluster_may_grow:
+            raise
+        reason = f"held until the cluster grows: {exc.detail}"
     job = Job(
         name=spec.name,
         owner=caller.owner,
@@ -79,7 +100,7 @@ def submit(session: Session, spec: JobSpec, *, caller: Caller, idempotency_key: 
         spec=spec.model_dump(mode="json"),
         idempotency_key=idempotency_key,
         spec_hash=digest,
-        state_reason="waiting for resources",
+        state_reason=reason,
     )
     session.add(job)
     session.add(JobEvent(job_id=job.id, kind="state", to_state=JobState.QUEUED, reason="submitted", attempt=0))
@@ -117,13 +138,19 @@ def list_jobs(
     state: JobState | None = None,
     queue: str | None = None,
     name: str | None = None,
+    owner: str | None = None,
     limit: int = 50,
     before: tuple[datetime, str] | None = None,
 ) -> list[Job]:
-    """Newest first; `before` is a (created_at, id) cursor, stable while new jobs arrive."""
+    """Newest first; `before` is a (created_at, id) cursor, stable while new jobs arrive.
+
+    `owner` narrows an admin's listing; for anyone else it can only narrow their own jobs (to nothing).
+    """
     query = select(Job)
     if not caller.admin:
         query = query.where(Job.owner == caller.owner)
+    if owner is not None:
+        query = query.where(Job.owner == owner)
     if state is not None:
         query = query.where(Job.state == state)
     if queue is not None:
@@ -181,6 +208,27 @@ def events(session: Session, job: Job, *, after_id: int = 0) -> list[JobEvent]:
     return list(session.exec(query.order_by(col(JobEvent.id))).all())
 
 
+def visible_events(session: Session, *, caller: Caller, after_id: int = 0, limit: int = 1000) -> list[JobEvent]:
+    """Events of every job the caller may see, oldest first, after an event id (a stream's resume point)."""
+    query = select(JobEvent).where(col(JobEvent.id) > after_id)
+    if not caller.admin:
+        query = query.join(Job, col(Job.id) == col(JobEvent.job_id)).where(Job.owner == caller.owner)
+    return list(session.exec(query.order_by(col(JobEvent.id)).limit(limit)).all())
+
+
+def active_jobs(session: Session, *, caller: Caller) -> list[Job]:
+    """Jobs admitted to Ray and not yet ended (STARTING, RUNNING, CANCELLING) that the caller may see."""
+    query = select(Job).where(col(Job.state).in_([JobState.STARTING, JobState.RUNNING, JobState.CANCELLING]))
+    if not caller.admin:
+        query = query.where(Job.owner == caller.owner)
+    return list(session.exec(query.order_by(col(Job.started_at), col(Job.id))).all())
+
+
+def cluster_snapshot(session: Session) -> ClusterSnapshot | None:
+    """The dispatcher's latest view of the Ray cluster (None until a dispatcher has reached Ray once)."""
+    return session.get(ClusterSnapshot, 1)
+
+
 def attempts(session: Session, job: Job) -> list[Attempt]:
     return list(session.exec(select(Attempt).where(Attempt.job_id == job.id).order_by(col(Attempt.number))).all())
 
@@ -214,8 +262,10 @@ def now() -> datetime:
 
 __all__ = [
     "Caller",
+    "active_jobs",
     "attempts",
     "cancel",
+    "cluster_snapshot",
     "checkpoints",
     "current_attempt",
     "events",
@@ -225,4 +275,5 @@ __all__ = [
     "record_event",
     "retry",
     "submit",
+    "visible_events",
 ]

@@ -55,6 +55,7 @@ class EndReason(str, Enum):
     NO_RESOURCES = "no_resources"
     TIMEOUT = "timeout"
     CANCELLED = "cancelled"
+    PREEMPTED = "preempted"  # stopped to make room for a higher-priority job; requeued, not a failure
     INFRA = "infra"  # Ray or shunter itself failed: submission refused, driver vanished, head restarted
 
     def is_retryable(self) -> bool:
@@ -96,7 +97,9 @@ class Job(SQLModel, table=True):
     __table_args__ = (
         # The queue query: state='QUEUED' ORDER BY priority DESC, created_at — at any depth.
         Index("ix_jobs_queue_order", "state", "priority", "created_at"),
-        Index("ix_jobs_created", "created_at"),
+        # Listings: ORDER BY created_at DESC, id DESC (the cursor's order), for everyone and per owner.
+        Index("ix_jobs_created_id", "created_at", "id"),
+        Index("ix_jobs_owner_created_id", "owner", "created_at", "id"),
         Index("ix_jobs_lease", "state", "lease_expires_at"),
         Index("ux_jobs_idempotency", "owner", "idempotency_key", unique=True),
     )
@@ -126,6 +129,8 @@ class Job(SQLModel, table=True):
 
     end_reason: EndReason | None = Field(default=None, max_length=32)
     last_error: str | None = Field(default=None, sa_column=Column(Text))
+    preemptions: int = 0  # attempts ended by preemption: requeued, not counted against max_attempts
+    preempt_requested_at: datetime | None = Field(default=None, sa_column=_tz())
 
     # Progress, written by the job's own Train callback (fenced by attempt), read by status without asking Ray.
     step: int | None = None
@@ -209,3 +214,16 @@ class ClusterSnapshot(SQLModel, table=True):
     total: dict[str, float] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     available: dict[str, float] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     taken_at: datetime = Field(default_factory=utcnow, sa_column=_tz())
+
+
+class QueueConfig(SQLModel, table=True):
+    """A named queue's limits set over the API (they override `SHUNTER_QUEUES`)."""
+
+    __tablename__ = "queues"
+
+    name: str = Field(primary_key=True, max_length=64)
+    max_running: int | None = None
+    max_cpus: float | None = None
+    max_gpus: float | None = None
+    preemption: bool = False
+    updated_at: datetime = Field(default_factory=utcnow, sa_column=_tz())

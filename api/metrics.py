@@ -1,0 +1,84 @@
+"""`GET /metrics` (Prometheus text) and the request-latency middleware feeding it; one registry per app."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.deps import get_caller
+from api.schemas import ERROR_RESPONSES
+from service.jobs import Caller
+from service.metrics import DISPATCHER_TICK_SECONDS, DatabaseCollector, InProcess
+from service.runtime import Runtime
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+router = APIRouter(tags=["health"])
+
+
+class RequestLatency:
+    """Time to the response's first byte (a stream's length is not its latency), by method, route and status."""
+
+    def __init__(self, app: ASGIApp, histogram: Histogram) -> None:
+        self.app = app
+        self.histogram = histogram
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+
+        async def timed_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                route = scope.get("route")
+                # The route's template, never the raw path: one series per endpoint, not per job id.
+                template = getattr(route, "path", None) or "unmatched"
+                self.histogram.labels(scope["method"], template, str(message["status"])).observe(
+                    time.perf_counter() - started
+                )
+            await send(message)
+
+        await self.app(scope, receive, timed_send)
+
+
+def install(app: FastAPI) -> CollectorRegistry:
+    """A registry for this app with the latency middleware; `attach` adds the database-backed collector."""
+    registry = CollectorRegistry(auto_describe=False)
+    latency = Histogram(
+        "shunter_http_request_duration_seconds", "API request latency (to the first byte)",
+        ["method", "route", "status"], buckets=LATENCY_BUCKETS, registry=registry,
+    )  # fmt: skip
+    registry.register(InProcess(DISPATCHER_TICK_SECONDS))
+    app.add_middleware(RequestLatency, histogram=latency)
+    app.state.metrics_registry = registry
+    return registry
+
+
+def attach(registry: CollectorRegistry, runtime: Runtime) -> DatabaseCollector:
+    def last_tick() -> float | None:
+        return runtime.dispatcher.last_tick_seconds if runtime.dispatcher is not None else None
+
+    collector = DatabaseCollector(runtime.engine, last_tick=last_tick)
+    registry.register(collector)
+    return collector
+
+
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text"},
+        401: ERROR_RESPONSES[401],
+    },
+)
+def metrics(request: Request, _: Annotated[Caller, Depends(get_caller)]) -> Response:
+    """Prometheus metrics: jobs by state and queue, queue wait, admissions, retries, tick and request latency.
+
+    With API tokens configured, scrape with any valid token (Prometheus `authorization: {credentials: ...}`).
+    """
+    return Response(generate_latest(request.app.state.metrics_registry), media_type=CONTENT_TYPE_LATEST)
