@@ -22,6 +22,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from api.client import ApiError, Client
+from api.schemas import EventPublic
 
 app = typer.Typer(help="shunter: a durable queue in front of Ray Train.", no_args_is_help=True, add_completion=False)
 console = Console()
@@ -267,12 +268,35 @@ def logs(
             _fail(exc)
 
 
+def _event_row(table: Table, e: EventPublic) -> None:
+    change = f"{e.from_state or ''} → {e.to_state}" if e.to_state else ""
+    table.add_row(e.at.strftime("%H:%M:%S.%f")[:-3], e.kind, change, e.reason, (e.message or "")[:80])
+
+
 @app.command()
-def events(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
-    """The job's timeline: every state change with time and reason."""
+def events(
+    job_id: Annotated[str | None, typer.Argument(help="a job id; without it, every job you may see")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="stream as they happen (SSE)")] = False,
+    server: ServerOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The timeline: every state change, Ray submission, checkpoint and retry decision, with time and reason.
+
+    With --follow a job's stream ends after its terminal event; with --json, one JSON object per line.
+    """
     with _client(server, token) as c:
         try:
-            rows = c.events(job_id)
+            if follow:
+                for e in c.stream_events(job_id):
+                    if as_json:
+                        print(e.model_dump_json(), flush=True)
+                    else:
+                        change = f" {e.from_state or '·'} → {e.to_state}" if e.to_state else ""
+                        job = "" if job_id else f"{e.job_id} "
+                        console.print(f"{e.at:%H:%M:%S} {job}{e.kind}{change} ({e.reason}) {e.message or ''}")
+                return
+            rows = c.events(job_id) if job_id else c.all_events(limit=1000)
         except ApiError as exc:
             _fail(exc)
             return
@@ -281,9 +305,83 @@ def events(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None,
         return
     table = Table("time", "kind", "change", "reason", "message")
     for e in rows:
-        change = f"{e.from_state or ''} → {e.to_state}" if e.to_state else ""
-        table.add_row(e.at.strftime("%H:%M:%S.%f")[:-3], e.kind, change, e.reason, (e.message or "")[:80])
+        _event_row(table, e)
     console.print(table)
+
+
+@app.command()
+def metrics(
+    job_id: str,
+    name: Annotated[str | None, typer.Option("--name", "-n", help="one metric, e.g. loss")] = None,
+    server: ServerOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Reported metrics of a job (every ray.train.report value), by step."""
+    with _client(server, token) as c:
+        try:
+            points = c.metrics(job_id, name=name)
+        except ApiError as exc:
+            _fail(exc)
+            return
+    if as_json:
+        console.print_json(json.dumps([p.model_dump(mode="json") for p in points]))
+        return
+    names = sorted({p.name for p in points})
+    by_step: dict[tuple[int, int | None], dict[str, float]] = {}
+    for p in points:
+        by_step.setdefault((p.attempt, p.step), {})[p.name] = p.value
+    table = Table("attempt", "step", *names)
+    for (number, step), values in by_step.items():
+        table.add_row(str(number), str(step if step is not None else ""), *(_num(values.get(n)) for n in names))
+    console.print(table)
+
+
+def _num(value: float | None) -> str:
+    return "" if value is None else f"{value:.6g}"
+
+
+@app.command()
+def checkpoints(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
+    """A job's checkpoints: attempt, step, metrics, where it lies, complete / pruned."""
+    with _client(server, token) as c:
+        try:
+            rows = c.checkpoints(job_id)
+        except ApiError as exc:
+            _fail(exc)
+            return
+    if as_json:
+        console.print_json(json.dumps([r.model_dump(mode="json") for r in rows]))
+        return
+    table = Table("id", "attempt", "step", "loss", "state", "created", "uri")
+    table.columns[-1].overflow = "fold"  # paths are for copying: fold them, never cut them
+    for k in rows:
+        state = "pruned" if k.pruned else ("complete" if k.complete else "incomplete")
+        loss = _num((k.metrics or {}).get("loss"))
+        table.add_row(str(k.id), str(k.attempt), str(k.step or ""), loss, state, f"{k.created_at:%H:%M:%S}", k.uri)
+    console.print(table)
+
+
+@app.command()
+def cluster(server: ServerOpt = DEFAULT_URL, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
+    """The Ray cluster as the dispatcher last saw it: nodes, free resources, dashboard, running jobs."""
+    with _client(server, token) as c:
+        try:
+            view = c.cluster()
+        except ApiError as exc:
+            _fail(exc)
+            return
+    if as_json:
+        console.print_json(view.model_dump_json())
+        return
+    console.print(f"dashboard: {view.dashboard_url or '?'}   seen: {view.taken_at or 'never'}")
+    table = Table("node", "address", "alive", "CPU free/total", "GPU free/total")
+    for n in view.nodes:
+        cells = [f"{n.available.get(k, 0):g}/{n.total.get(k, 0):g}" for k in ("CPU", "GPU")]
+        table.add_row(n.node_id[:12], n.address or "", "yes" if n.alive else "no", *cells)
+    console.print(table)
+    for j in view.jobs:
+        console.print(f"{j.id} {j.name} {j.state} attempt {j.attempt} {j.resources} {j.ray_dashboard_url or ''}")
 
 
 @app.command()

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from api.schemas import AttemptPublic, CheckpointPublic, EventPublic, JobList, JobPublic, MetricPoint
+from api.schemas import AttemptPublic, CheckpointPublic, ClusterPublic, EventPublic, JobList, JobPublic, MetricPoint
 
 
 class ApiError(Exception):
@@ -19,6 +19,17 @@ class ApiError(Exception):
         self.body = body
         self.code = body.get("code")
         super().__init__(f"HTTP {status_code}: {body.get('detail', body)}")
+
+
+def parse_sse(lines: Iterator[str]) -> Iterator[EventPublic]:
+    """EventPublic from `data:` lines of a text/event-stream (comments, `retry:` and `id:` lines skipped)."""
+    data: list[str] = []
+    for line in lines:
+        if line.startswith("data:"):
+            data.append(line[5:].lstrip())
+        elif not line and data:
+            yield EventPublic.model_validate_json("\n".join(data))
+            data = []
 
 
 class Client:
@@ -67,6 +78,43 @@ class Client:
             EventPublic.model_validate(e)
             for e in self._call("GET", f"/v1/jobs/{job_id}/events", params={"after": after})
         ]
+
+    def all_events(self, *, after: int = 0, limit: int = 100) -> list[EventPublic]:
+        """Events of every job the caller may see, oldest first."""
+        rows = self._call("GET", "/v1/events", params={"after": after, "limit": limit})
+        return [EventPublic.model_validate(e) for e in rows]
+
+    def stream_events(
+        self, job_id: str | None = None, *, after: int = 0, timeout_seconds: float | None = None
+    ) -> Iterator[EventPublic]:
+        """Server-Sent Events as they happen: one job's (ends after its terminal event) or every visible job's.
+        Reconnects with `Last-Event-ID` if the connection drops, so no event is lost or repeated."""
+        path = f"/v1/jobs/{job_id}/events" if job_id else "/v1/events"
+        last = after
+        while True:
+            params: dict[str, Any] = {
+                "follow": "true",
+                **({"timeout_seconds": timeout_seconds} if timeout_seconds else {}),
+            }
+            try:
+                with self.http.stream("GET", path, params=params, headers={"Last-Event-ID": str(last)},
+                                      timeout=httpx.Timeout(30.0, read=60.0)) as r:  # fmt: skip
+                    if r.status_code >= 400:
+                        r.read()
+                        raise ApiError(r.status_code, r.json())
+                    for event in parse_sse(r.iter_lines()):
+                        last = event.id
+                        yield event
+                return  # the server ended the stream: the job ended, or timeout_seconds passed
+            except (httpx.ReadTimeout, httpx.RemoteProtocolError, httpx.ConnectError):
+                time.sleep(1.0)  # dropped: resume after the last event seen
+
+    def cluster(self) -> ClusterPublic:
+        return ClusterPublic.model_validate(self._call("GET", "/v1/cluster"))
+
+    def prometheus(self) -> str:
+        """The raw Prometheus text of `GET /metrics`."""
+        return str(self._call("GET", "/metrics"))
 
     def attempts(self, job_id: str) -> list[AttemptPublic]:
         return [AttemptPublic.model_validate(a) for a in self._call("GET", f"/v1/jobs/{job_id}/attempts")]

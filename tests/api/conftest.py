@@ -30,7 +30,7 @@ def offline_settings(tmp_path: Path, **overrides: Any) -> Settings:
         ray_address="127.0.0.1:9",
         ray_dashboard_url="http://127.0.0.1:9",
         data_dir=tmp_path / "data",
-        **overrides,
+        **({"queues": {"default": {}, "gpu": {}, "q1": {}}} | overrides),
     )
 
 

@@ -1,0 +1,131 @@
+"""Issue 6 end to end: a real `shunter serve` with tokens, a real Ray head, real DDP training, real HTTP.
+
+One job proves follow-logs (to the last line), the SSE timeline (every state change, in order), ownership,
+Prometheus counters, the cluster view and the new CLI commands; then the logs are read with Ray out of reach.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from api.app import create_app
+from api.client import ApiError, Client
+from api.schemas import EventPublic
+from service.ray_local import LocalHead, free_port
+from service.runtime import Runtime
+from service.settings import Settings
+from tests.api.conftest import TOKENS
+from tests.service.conftest import Service, service_env, stop_leftover_ray_jobs
+
+pytestmark = pytest.mark.slow
+
+SPEC = {
+    "name": "mlp-live",
+    "entrypoint": {"callable": "examples.mlp:train_loop"},
+    "config": {"total_steps": 30, "checkpoint_every": 10, "report_every": 5},
+    "strategy": {"kind": "ddp"},
+    "resources": {"num_workers": 2, "resources_per_worker": {"CPU": 1}},
+    "checkpoint": {"keep": 2},
+}
+
+
+def samples(text: str) -> dict[str, dict[tuple, float]]:
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+@pytest.fixture
+def secured(tmp_path: Path, ray_head: LocalHead) -> Iterator[Service]:
+    port = free_port()
+    env = service_env(tmp_path, ray_head, port, SHUNTER_API_TOKENS=json.dumps(TOKENS), SHUNTER_TOKEN="tok-alice")
+    svc = Service(data_dir=tmp_path, port=port, env=env).start()
+    yield svc
+    svc.stop()
+    stop_leftover_ray_jobs(ray_head)
+
+
+def test_job_seen_through_every_view(secured: Service, ray_head: LocalHead) -> None:
+    alice, bob, root = (Client(secured.url, token=t) for t in ("tok-alice", "tok-bob", "tok-root"))
+    before = samples(alice.prometheus())
+    job = alice.submit(SPEC)
+
+    streamed: list[EventPublic] = []
+    followed: list[str] = []
+    threads = [
+        threading.Thread(target=lambda: streamed.extend(alice.stream_events(job.id))),
+        threading.Thread(target=lambda: followed.extend(alice.follow_logs(job.id))),
+    ]
+    for t in threads:
+        t.start()
+    done = alice.wait(job.id, timeout=240)
+    for t in threads:
+        t.join(timeout=30)
+        assert not t.is_alive(), "a follow stream did not end with the job"
+    assert done.state == "SUCCEEDED", done.last_error
+
+    # Follow-logs ends with the job's last line (from shunter's stored copy of the attempt's log).
+    text = "".join(followed)
+    assert "done: 30 steps" in text, text[-2000:]
+    assert text == alice.logs(job.id)
+    # SSE: every state change, in order, each once; ids increase; the stream ended after the terminal event.
+    changes = [(e.from_state, e.to_state) for e in streamed if e.kind == "state"]
+    assert changes == [(None, "QUEUED"), ("QUEUED", "STARTING"), ("STARTING", "RUNNING"), ("RUNNING", "SUCCEEDED")]
+    assert [e.id for e in streamed] == sorted({e.id for e in streamed})
+    assert [e.id for e in streamed] == [e.id for e in alice.events(job.id)]
+    assert any(e.reason == "ray_job_submitted" for e in streamed)
+    assert any(e.reason == "checkpoint_saved" for e in streamed)
+
+    # Ownership: bob can neither see nor cancel alice's job; the admin can see it.
+    for call in (lambda: bob.get(job.id), lambda: bob.cancel(job.id), lambda: bob.logs(job.id)):
+        with pytest.raises(ApiError) as info:
+            call()
+        assert info.value.status_code == 404
+    assert job.id not in [j.id for j in bob.list().items]
+    assert root.get(job.id).owner == "alice"
+
+    # Prometheus: parses, and its counters moved.
+    after = samples(alice.prometheus())
+    assert after["shunter_admissions_total"][()] == before["shunter_admissions_total"][()] + 1
+    assert after["shunter_jobs"][(("queue", "default"), ("state", "SUCCEEDED"))] == 1
+    assert after["shunter_queue_wait_seconds_count"][()] == 1
+    assert after["shunter_dispatcher_last_tick_seconds"][()] > 0
+    assert after["shunter_cluster_nodes"][()] >= 1
+
+    view = alice.cluster()
+    assert view.dashboard_url == ray_head.dashboard_url and view.total.get("CPU", 0) >= 2 and view.nodes
+    assert done.ray_dashboard_url == f"{ray_head.dashboard_url}/#/jobs/shunter-{job.id}-1"
+
+    # The CLI, with the token from SHUNTER_TOKEN.
+    losses = json.loads(secured.cli("metrics", job.id, "--name", "loss", "--json").stdout)
+    assert [p["step"] for p in losses] == [5, 10, 15, 20, 25, 30] and all(p["name"] == "loss" for p in losses)
+    assert [k["step"] for k in json.loads(secured.cli("checkpoints", job.id, "--json").stdout)][-1] == 30
+    lines = secured.cli("events", job.id, "--follow", "--json").stdout.splitlines()
+    assert [json.loads(line)["id"] for line in lines] == [e.id for e in streamed]
+    assert "done: 30 steps" in secured.cli("logs", job.id, "-f").stdout
+    for c in (alice, bob, root):
+        c.close()
+
+    # With Ray out of reach, shunter still has the log (its stored copy of the ended attempt).
+    secured.stop()
+    offline = Settings(
+        database_url=f"sqlite:///{secured.data_dir / 'shunter.db'}", ray_address="127.0.0.1:9",
+        ray_dashboard_url="http://127.0.0.1:9", api_tokens=TOKENS,
+    )  # fmt: skip
+    runtime = Runtime.open(offline)
+    try:
+        with TestClient(create_app(runtime=runtime), headers={"Authorization": "Bearer tok-alice"}) as c:
+            assert "done: 30 steps" in c.get(f"/v1/jobs/{job.id}/logs").text
+            assert "done: 30 steps" in c.get(f"/v1/jobs/{job.id}/logs", params={"follow": "true"}).text
+            assert [e["id"] for e in c.get(f"/v1/jobs/{job.id}/events").json()] == [e.id for e in streamed]
+    finally:
+        runtime.close()
