@@ -1,0 +1,213 @@
+"""The deployment files say what the code needs: docker compose (CPU and GPU) and the KubeRay manifests.
+
+No Docker daemon or Kubernetes runs here: the files are parsed and the fields that matter are checked; `docker compose
+config` also validates the compose files where the docker client and its compose plugin are installed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from service.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+SHUNTER_COMMANDS = {"api", "dispatcher"}
+
+
+def _compose(*names: str) -> dict[str, Any]:
+    return yaml.safe_load((REPO / names[0]).read_text())
+
+
+def _env(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment", {})
+    return dict(env) if isinstance(env, dict) else dict(item.split("=", 1) for item in env)
+
+
+def _command(service: dict[str, Any]) -> list[str]:
+    cmd = service.get("command", [])
+    return cmd.split() if isinstance(cmd, str) else list(cmd)
+
+
+# ---- docker compose ---------------------------------------------------------------------------------------------
+def test_compose_services_share_one_image_built_from_the_dockerfile() -> None:
+    services = _compose("docker-compose.yml")["services"]
+    assert set(services) == {"postgres", "ray-head", "ray-worker", "api", "dispatcher"}
+    assert services["postgres"]["image"].startswith("postgres:")
+    images = {name: s["image"] for name, s in services.items() if name != "postgres"}
+    assert len(set(images.values())) == 1, images
+    for name in images:
+        assert services[name]["build"] == {"context": ".", "dockerfile": "deploy/Dockerfile"}, name
+    assert (REPO / "deploy/Dockerfile").is_file() and (REPO / "deploy/Dockerfile.gpu").is_file()
+
+
+def test_compose_processes_ports_and_healthchecks() -> None:
+    services = _compose("docker-compose.yml")["services"]
+    assert _command(services["api"])[:2] == ["shunter", "api"]
+    assert _command(services["dispatcher"]) == ["shunter", "dispatcher"]
+    head_cmd = " ".join(_command(services["ray-head"]))
+    assert "ray start --head" in head_cmd and "--port=6379" in head_cmd and "--dashboard-port=8265" in head_cmd
+    assert "--block" in head_cmd and "--dashboard-host=0.0.0.0" in head_cmd
+    assert _command(services["ray-worker"])[:3] == ["ray", "start", "--address=ray-head:6379"]
+    assert "127.0.0.1:8265:8265" in services["ray-head"]["ports"]
+    assert "127.0.0.1:8080:8080" in services["api"]["ports"]
+    assert "8080" in _command(services["api"])
+
+    assert "pg_isready" in " ".join(services["postgres"]["healthcheck"]["test"])
+    assert "/api/version" in " ".join(services["ray-head"]["healthcheck"]["test"])
+    assert "127.0.0.1:8080/readyz" in " ".join(services["api"]["healthcheck"]["test"])
+    # Start order: Ray workers after a healthy head; the API after PostgreSQL and Ray; dispatchers after the API
+    # (which has created the schema by then).
+    assert services["ray-worker"]["depends_on"]["ray-head"]["condition"] == "service_healthy"
+    assert {k: v["condition"] for k, v in services["api"]["depends_on"].items()} == {
+        "postgres": "service_healthy",
+        "ray-head": "service_healthy",
+    }
+    assert services["dispatcher"]["depends_on"]["api"]["condition"] == "service_healthy"
+    assert services["ray-worker"]["deploy"]["replicas"] >= 1
+    assert services["dispatcher"]["deploy"]["replicas"] >= 1
+
+
+def test_compose_environment_names_real_settings() -> None:
+    services = _compose("docker-compose.yml")["services"]
+    known = {f"SHUNTER_{name.upper()}" for name in Settings.model_fields}
+    for name in ("api", "dispatcher"):
+        env = _env(services[name])
+        assert env["SHUNTER_DATABASE_URL"].startswith("postgresql+psycopg://shunter:")
+        assert env["SHUNTER_DATABASE_URL"].endswith("@postgres:5432/shunter")
+        assert env["SHUNTER_RAY_ADDRESS"] == "ray-head:6379"
+        assert env["SHUNTER_RAY_DASHBOARD_URL"] == "http://ray-head:8265"
+        assert env["SHUNTER_STORAGE_URI"] == "/shared/checkpoints"
+        unknown = {k for k in env if k.startswith("SHUNTER_")} - known
+        assert not unknown, f"{name}: settings that service/settings.py does not read: {unknown}"
+    for name in ("ray-head", "ray-worker"):
+        assert _env(services[name])["RAY_JOB_STOP_SIGNAL"] == "SIGINT"
+
+
+def test_compose_volumes_for_database_and_checkpoints() -> None:
+    compose = _compose("docker-compose.yml")
+    services = compose["services"]
+    assert {"pgdata", "checkpoints"} <= set(compose["volumes"])
+    assert "pgdata:/var/lib/postgresql/data" in services["postgres"]["volumes"]
+    # Train workers write checkpoints, the next attempt reads them on any node: one shared volume on every Ray node.
+    for name in ("ray-head", "ray-worker", "api", "dispatcher"):
+        assert "checkpoints:/shared/checkpoints" in services[name]["volumes"], name
+
+
+def test_compose_gpu_override_reserves_gpus_with_the_cuda_image() -> None:
+    base = _compose("docker-compose.yml")["services"]
+    gpu = _compose("docker-compose.gpu.yml")["services"]
+    assert set(gpu) <= set(base)
+    assert gpu["ray-head"]["image"] == gpu["ray-worker"]["image"], "Ray nodes must share Python and Ray versions"
+    assert gpu["ray-worker"]["build"]["dockerfile"] == "deploy/Dockerfile.gpu"
+    devices = gpu["ray-worker"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+    env = _env(gpu["ray-worker"])
+    assert {"NCCL_DEBUG", "NCCL_IB_DISABLE", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"} <= set(env)
+    dockerfile = (REPO / "deploy/Dockerfile.gpu").read_text()
+    assert "FROM ${CUDA_IMAGE}" in dockerfile and "nvidia/cuda:" in dockerfile
+
+
+def test_dockerfiles_install_the_workers_extra_with_the_constraints() -> None:
+    for name, index in (("Dockerfile", "whl/cpu"), ("Dockerfile.gpu", "whl/cu")):
+        text = (REPO / "deploy" / name).read_text()
+        assert "pip install -c constraints.txt" in text and '".[workers]"' in text, name
+        assert index in text, name
+        assert any(line.startswith("COPY") and "constraints.txt" in line for line in text.splitlines()), name
+        # Same Python minor version and Ray version in both images, so CPU and GPU nodes can share a cluster.
+        assert "ARG PYTHON_VERSION=3.11" in text and "ARG RAY_VERSION=2.60.0" in text, name
+
+
+def _docker_compose_available() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    probe = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, timeout=30)
+    return probe.returncode == 0
+
+
+@pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.gpu.yml"]])
+def test_docker_compose_config_validates(files: list[str]) -> None:
+    if not _docker_compose_available():
+        pytest.skip("docker client with the compose plugin not installed")
+    args = ["docker", "compose"] + [arg for f in files for arg in ("-f", f)] + ["config", "--quiet"]
+    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+# ---- KubeRay ----------------------------------------------------------------------------------------------------
+def _kube() -> dict[tuple[str, str], dict[str, Any]]:
+    docs: dict[tuple[str, str], dict[str, Any]] = {}
+    for path in sorted((REPO / "deploy/kuberay").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and "metadata" in doc:
+                docs[(doc["kind"], doc["metadata"]["name"])] = doc
+    return docs
+
+
+def _container(doc: dict[str, Any]) -> dict[str, Any]:
+    (container,) = doc["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_kuberay_raycluster_head_and_gpu_workers() -> None:
+    cluster = _kube()[("RayCluster", "shunter-ray")]
+    assert cluster["apiVersion"] == "ray.io/v1"
+    assert cluster["spec"]["rayVersion"] == "2.60.0"
+    head = cluster["spec"]["headGroupSpec"]
+    assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+    (head_container,) = head["template"]["spec"]["containers"]
+    ports = {p["containerPort"] for p in head_container["ports"]}
+    assert {6379, 8265} <= ports
+    assert {"name": "RAY_JOB_STOP_SIGNAL", "value": "SIGINT"} in head_container["env"]
+
+    (gpu,) = cluster["spec"]["workerGroupSpecs"]
+    assert gpu["replicas"] >= 1 and gpu["maxReplicas"] >= gpu["replicas"]
+    (worker,) = gpu["template"]["spec"]["containers"]
+    assert worker["image"] == head_container["image"], "Ray nodes must share Python and Ray versions"
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    env = {e["name"]: e["value"] for e in worker["env"]}
+    assert {"NCCL_DEBUG", "NCCL_IB_DISABLE", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"} <= set(env)
+    mounts = {m["mountPath"] for m in worker["volumeMounts"]}
+    assert "/shared/checkpoints" in mounts and "/dev/shm" in mounts
+
+
+def test_kuberay_api_and_dispatcher_deployments() -> None:
+    docs = _kube()
+    config = docs[("ConfigMap", "shunter-config")]["data"]
+    # KubeRay names the head Service <cluster>-head-svc.
+    assert config["SHUNTER_RAY_ADDRESS"] == "shunter-ray-head-svc:6379"
+    assert config["SHUNTER_RAY_DASHBOARD_URL"] == "http://shunter-ray-head-svc:8265"
+    known = {f"SHUNTER_{name.upper()}" for name in Settings.model_fields}
+    assert set(config) <= known, set(config) - known
+
+    for name, command in (("shunter-api", ["shunter", "api"]), ("shunter-dispatcher", ["shunter", "dispatcher"])):
+        container = _container(docs[("Deployment", name)])
+        assert container["command"] == command
+        assert container["image"].startswith("ghcr.io/") and not container["image"].endswith("-gpu")
+        assert {"configMapRef": {"name": "shunter-config"}} in container["envFrom"]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["SHUNTER_DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {"name": "shunter-db", "key": "database-url"}
+        assert "value" not in env["SHUNTER_DATABASE_URL"], "the database URL (with its password) comes from a Secret"
+        assert docs[("Deployment", name)]["spec"]["replicas"] >= 1
+
+    api = _container(docs[("Deployment", "shunter-api")])
+    assert api["ports"] == [{"name": "http", "containerPort": 8080}]
+    assert api["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert api["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    # Bound to 0.0.0.0 in the pod: `shunter api` refuses that without tokens, so tokens come from a Secret.
+    assert {e["name"]: e for e in api["env"]}["SHUNTER_API_TOKENS"]["valueFrom"]["secretKeyRef"]["name"]
+    assert config["SHUNTER_HOST"] == "0.0.0.0" and config["SHUNTER_PORT"] == "8080"
+    service = docs[("Service", "shunter-api")]
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    labels = docs[("Deployment", "shunter-api")]["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+
+    dispatcher = _container(docs[("Deployment", "shunter-dispatcher")])
+    owner = {e["name"]: e for e in dispatcher["env"]}["SHUNTER_DISPATCHER_ID"]
+    assert owner["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert docs[("PersistentVolumeClaim", "shunter-checkpoints")]["spec"]["accessModes"] == ["ReadWriteMany"]
