@@ -12,25 +12,30 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import update
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
-from service import queue, retry, scheduler
+from service import queue, queues, retry, scheduler
 from service.db import session_scope
 from service.errors import InfraError, InvalidSpec, StaleWrite
+from service.metrics import DISPATCHER_TICK_SECONDS
 from service.models import Attempt, Checkpoint, ClusterSnapshot, EndReason, Job, JobState, utcnow
 from service.ray_jobs import ClusterView, RayJobInfo, RayJobs
 from service.settings import Settings
 from service.spec import JobSpec
 from service.state import end_reason_state, record_event, transition
+from service.storage import filesystem_for
 
 log = logging.getLogger(__name__)
 STOP_RESEND_SECONDS = 5.0
 SUBMIT_PATIENCE_SECONDS = 120.0
+PREEMPT_MARKER = "shunter-preempt"  # workers.preemption.MARKER
 
 
 def submission_id(job_id: str, attempt: int) -> str:
@@ -45,16 +50,21 @@ class Dispatcher:
         self.owner = owner
         self._started = False
         self._stop_sent: dict[str, float] = {}
+        self._totals: dict[str, dict[str, float]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=settings.dispatcher_threads, thread_name_prefix="reconcile")
         self.last_tick_seconds = 0.0
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            try:
-                self.tick()
-            except Exception:  # noqa: BLE001 - one bad tick (a DB or Ray hiccup) must not end the loop
-                log.exception("dispatcher tick failed")
-            stop.wait(self.settings.dispatcher_tick_seconds)
+        try:
+            while not stop.is_set():
+                try:
+                    self.tick()
+                except Exception:  # noqa: BLE001 - one bad tick (a DB or Ray hiccup) must not end the loop
+                    log.exception("dispatcher tick failed")
+                stop.wait(self.settings.dispatcher_tick_seconds)
+        finally:
+            self._pool.shutdown(wait=True)
 
     def tick(self) -> None:
         started = time.monotonic()
@@ -68,16 +78,29 @@ class Dispatcher:
         cluster = self._snapshot_cluster()
         with Session(self.engine, expire_on_commit=False) as session:
             mine = queue.owned(session, owner=self.owner)
-        for job in mine:
-            try:
-                self.reconcile(job)
-            except StaleWrite as exc:
-                log.info("job %s moved on under us: %s", job.id, exc)
-            except InfraError as exc:
-                log.warning("job %s: Ray unavailable this tick: %s", job.id, exc)
+        # Reconciling is mostly waiting (Ray's HTTP API, the database): overlap it across the jobs held.
+        list(self._pool.map(self._reconcile_safely, mine))
         if cluster is not None:
             self.admit(cluster)
         self.last_tick_seconds = time.monotonic() - started
+        DISPATCHER_TICK_SECONDS.observe(self.last_tick_seconds)
+
+    def _reconcile_safely(self, job: Job) -> None:
+        try:
+            self.reconcile(job)
+        except StaleWrite as exc:
+            log.info("job %s moved on under us: %s", job.id, exc)
+        except InfraError as exc:
+            log.warning("job %s: Ray unavailable this tick: %s", job.id, exc)
+        except Exception:  # noqa: BLE001 - one job's surprise must not stop the others
+            log.exception("job %s: reconcile failed", job.id)
+
+    def _resources(self, job: Job) -> dict[str, float]:
+        """The job's total resources; specs never change, so parse each once."""
+        total = self._totals.get(job.id)
+        if total is None:
+            total = self._totals[job.id] = JobSpec.model_validate(job.spec).resources.total()
+        return total
 
     # ---- cluster view ---------------------------------------------------------------------------------------
     def _snapshot_cluster(self) -> ClusterView | None:
@@ -102,45 +125,130 @@ class Dispatcher:
 
     # ---- admission ------------------------------------------------------------------------------------------
     def admit(self, cluster: ClusterView) -> list[str]:
-        """Start every queued job whose whole worker group fits the free resources, in priority/FIFO order."""
+        """Start every queued job whose whole worker group fits, in priority/FIFO order, within queue limits.
+
+        The whole decision is one write transaction under an admission lock, so several dispatchers never hand out
+        the same free room twice. Ray submissions happen after the commit.
+        """
         now = utcnow()
-        with Session(self.engine) as session:
-            waiting = queue.queued(session, now=now)
+        started: list[Job] = []
+        with session_scope(self.engine) as session:
+            queue.lock_admission(session)
+            waiting = queue.queued(session, now=now, limit=self.settings.admit_batch)
             if not waiting:
                 return []
+            nodes = [scheduler.NodeFree(n.node_id, dict(n.available)) for n in cluster.nodes if n.alive]
             # Jobs admitted but not yet placed by Ray still count against the free room Ray reports.
-            unplaced = session.exec(select(Job).where(Job.state == JobState.STARTING)).all()
-        nodes = [scheduler.NodeFree(n.node_id, dict(n.available)) for n in cluster.nodes if n.alive]
-        for job in unplaced:
-            need = JobSpec.model_validate(job.spec).resources.total()
-            _reserve(nodes, need)
-        candidates = [_candidate(job) for job in waiting]
-        chosen = scheduler.pick(candidates, nodes)
-        by_id = {job.id: job for job in waiting}
-        admitted = []
-        for job_id in chosen:
-            if self._start(by_id[job_id], now=now):
-                admitted.append(job_id)
-        return admitted
-
-    def _start(self, job: Job, *, now: datetime) -> bool:
-        number = job.attempt + 1
-        sub_id = submission_id(job.id, number)
-        try:
-            with session_scope(self.engine) as session:
-                values: dict[str, Any] = {
-                    "attempt": number,
-                    **queue.lease_values(self.owner, now, self.settings.lease_seconds),
-                }
-                values.update(step=None, latest_metrics=None, progress_at=None)
+            for job in session.exec(select(Job).where(Job.state == JobState.STARTING)).all():
+                _reserve(nodes, self._resources(job))
+            decision = scheduler.plan(
+                [_candidate(job) for job in waiting],
+                nodes,
+                limits=queues.limits(session, self.settings),
+                usage=queues.usage(session, self._resources),
+                now=now.timestamp(),
+                reserve_after_seconds=self.settings.reserve_after_seconds,
+            )
+            by_id = {job.id: job for job in waiting}
+            for job_id in decision.admit:
+                job = by_id[job_id]
+                number = job.attempt + 1
+                values: dict[str, Any] = {"attempt": number, "step": None, "latest_metrics": None, "progress_at": None}
+                values.update(queue.lease_values(self.owner, now, self.settings.lease_seconds))
                 transition(
                     session, job, to=JobState.STARTING, reason="admitted", actor=self.owner, values=values, now=now
                 )
+                sub_id = submission_id(job.id, number)
                 session.add(Attempt(job_id=job.id, number=number, submission_id=sub_id, started_at=now))
-        except StaleWrite:
-            return False  # cancelled, or claimed by another dispatcher, since we read it
-        self.reconcile(job)  # submits at once rather than on the next tick
-        return True
+                started.append(job)
+            for job_id, why in decision.waiting.items():
+                if by_id[job_id].state_reason != why:
+                    queue.set_reason(session, job_id, why)
+            self._maybe_preempt(session, waiting, decision, cluster, now=now)
+        for job in started:
+            self.reconcile(job)  # submit at once rather than on the next tick
+        return [job.id for job in started]
+
+    # ---- preemption -----------------------------------------------------------------------------------------
+    def _maybe_preempt(
+        self, session: Session, waiting: list[Job], decision: scheduler.Plan, cluster: ClusterView, *, now: datetime
+    ) -> None:
+        """Ask lower-priority running jobs to yield to the first queued job that waits for room, if its queue allows.
+
+        Victims are chosen lowest priority first, newest first, until the freed room could hold the waiting job; one
+        preemption at a time (nothing new is asked while an earlier one is in flight).
+        """
+        limits = queues.limits(session, self.settings)
+        blocked = next(
+            (j for j in sorted(waiting, key=lambda j: (-j.priority, j.created_at))
+             if j.id in decision.waiting and decision.waiting[j.id].startswith("waiting for room")),
+            None,
+        )  # fmt: skip
+        if blocked is None or not limits.get(blocked.queue, scheduler.QueueLimit()).preemption:
+            return
+        active = session.exec(select(Job).where(col(Job.state).in_([JobState.RUNNING, JobState.STARTING]))).all()
+        if any(j.preempt_requested_at is not None for j in active):
+            return
+        need = JobSpec.model_validate(blocked.spec).resources.total()
+        free = dict(cluster.available)
+        victims = []
+        for job in sorted(
+            (j for j in active if j.priority < blocked.priority), key=lambda j: (j.priority, -j.created_at.timestamp())
+        ):
+            if all(free.get(k, 0.0) + 1e-9 >= v for k, v in need.items()):
+                break
+            victims.append(job)
+            for k, v in JobSpec.model_validate(job.spec).resources.total().items():
+                free[k] = free.get(k, 0.0) + v
+        if not victims or not all(free.get(k, 0.0) + 1e-9 >= v for k, v in need.items()):
+            return
+        for victim in victims:
+            session.execute(update(Job).where(Job.id == victim.id).values(preempt_requested_at=now))
+            record_event(session, victim, kind="preemption", reason="preemption_requested", actor=self.owner,
+                         message=f"making room for {blocked.id} (priority {blocked.priority})")  # fmt: skip
+            self._write_preempt_marker(victim)
+
+    def _preemption_due(self, job: Job) -> bool:
+        """Stop a preempted job once it has checkpointed since the request, or after the grace period."""
+        asked = job.preempt_requested_at
+        assert asked is not None
+        if (utcnow() - asked).total_seconds() >= self.settings.preemption_grace_seconds:
+            return True
+        with Session(self.engine) as session:
+            newer = session.exec(
+                select(Checkpoint).where(
+                    Checkpoint.job_id == job.id, Checkpoint.complete, Checkpoint.created_at > asked
+                )
+            ).first()
+        return newer is not None
+
+    def _marker(self, job: Job) -> tuple[str, Any]:
+        """Where the job's workers look for a preemption notice (see workers.preemption): beside its checkpoints."""
+        spec = JobSpec.model_validate(job.spec)
+        root, fs = filesystem_for(spec.checkpoint.storage or self.settings.absolute_storage_uri())
+        return f"{root.rstrip('/')}/{job.id}/{PREEMPT_MARKER}", fs
+
+    def _write_preempt_marker(self, job: Job) -> None:
+        path, fs = self._marker(job)
+        try:
+            if fs is None:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                Path(path).write_text(utcnow().isoformat())
+            else:
+                with fs.open_output_stream(path) as out:
+                    out.write(utcnow().isoformat().encode())
+        except OSError as exc:  # without the notice the job is stopped after the grace period instead
+            log.warning("job %s: could not write the preemption notice: %s", job.id, exc)
+
+    def _clear_preempt_marker(self, job: Job) -> None:
+        path, fs = self._marker(job)
+        try:
+            if fs is None:
+                Path(path).unlink(missing_ok=True)
+            else:
+                fs.delete_file(path)
+        except OSError:
+            pass
 
     # ---- reconciliation -------------------------------------------------------------------------------------
     def reconcile(self, job: Job) -> None:
@@ -170,6 +278,10 @@ class Dispatcher:
             self._finish(job, attempt, self._classify(job, attempt, info), info.message or info.status, info)
             return
         if state is JobState.CANCELLING:
+            self._send_stop(attempt.submission_id)
+            return
+        if job.preempt_requested_at is not None and self._preemption_due(job):
+            self._mark_attempt(attempt, EndReason.PREEMPTED, "stopped to make room for a higher-priority job")
             self._send_stop(attempt.submission_id)
             return
         if self._timed_out(job, attempt):
@@ -308,6 +420,7 @@ class Dispatcher:
             backoff_seconds=spec.retries.backoff_seconds,
             max_backoff_seconds=spec.retries.max_backoff_seconds,
             retry_on_timeout=spec.retries.retry_on_timeout,
+            preemptions=job.preemptions,
         )
         now = utcnow()
         with session_scope(self.engine) as session:
@@ -322,9 +435,14 @@ class Dispatcher:
             if decision.retry:
                 record_event(session, job, kind="retry", reason="retry_decided", message=decision.why, actor=self.owner)
                 retry_at = now + timedelta(seconds=decision.delay_seconds)
+                values = {"not_before": retry_at, "last_error": message[-4000:], "preempt_requested_at": None}
+                if reason is EndReason.PREEMPTED:
+                    values.update(preemptions=job.preemptions + 1, last_error=None)
+                    message = "preempted for a higher-priority job"
                 transition(session, job, to=JobState.QUEUED, reason=reason.value, lease_token=job.lease_token,
                            actor=self.owner, message=f"{message[-500:]}; retrying in {decision.delay_seconds:.0f}s",
-                           values={"not_before": retry_at, "last_error": message[-4000:]})  # fmt: skip
+                           values=values)  # fmt: skip
+                self._clear_preempt_marker(job)
             else:
                 values = {"end_reason": reason}
                 if reason is not EndReason.SUCCEEDED:
@@ -365,6 +483,7 @@ def _candidate(job: Job) -> scheduler.Candidate:
         num_workers=spec.resources.num_workers,
         per_worker=spec.resources.per_worker(),
         placement=spec.resources.placement.value,
+        queue=job.queue,
     )
 
 

@@ -52,6 +52,23 @@ def check_fits_cluster(spec: JobSpec, snapshot: ClusterSnapshot | None) -> None:
             f"(largest per resource: {largest})",
             field="resources.resources_per_worker",
         )
+    placement = res.placement.value
+    if placement == "strict_pack" and not any(
+        all(n["total"].get(k, 0.0) >= v * res.num_workers for k, v in per_worker.items()) for n in nodes
+    ):
+        raise InvalidSpec(
+            f"resources.placement: strict_pack needs one node with room for all {res.num_workers} workers "
+            f"({ {k: v * res.num_workers for k, v in per_worker.items()} }); no node has it",
+            field="resources.placement",
+        )
+    if placement == "strict_spread":
+        holders = sum(1 for n in nodes if all(n["total"].get(k, 0.0) >= v for k, v in per_worker.items()))
+        if res.num_workers > holders:
+            raise InvalidSpec(
+                f"resources.placement: strict_spread needs {res.num_workers} distinct nodes; only {holders} can hold "
+                "a worker",
+                field="resources.placement",
+            )
     # How many workers fit on the whole cluster, node by node (a worker never spans nodes).
     capacity = sum(int(min(n["total"].get(k, 0.0) // v for k, v in per_worker.items())) for n in nodes)
     if res.num_workers > capacity:

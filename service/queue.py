@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from datetime import datetime, timedelta
 
-from sqlalchemy import or_, update
+from sqlalchemy import or_, text, update
 from sqlmodel import Session, col, select
 
 from service.models import ACTIVE_STATES, Job, JobEvent, JobState
@@ -24,16 +24,40 @@ def lease_values(owner: str, now: datetime, seconds: float) -> dict[str, object]
     return {"lease_owner": owner, "lease_token": new_token(), "lease_expires_at": now + timedelta(seconds=seconds)}
 
 
+ADMISSION_LOCK_KEY = 0x5348554E  # "SHUN": one advisory lock id for admission on PostgreSQL
+
+
+def lock_admission(session: Session) -> None:
+    """Serialise admission across dispatchers for the rest of this transaction.
+
+    PostgreSQL: a transaction-scoped advisory lock. SQLite: the write transaction (BEGIN IMMEDIATE) already is one.
+    """
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADMISSION_LOCK_KEY})
+
+
 def queued(session: Session, *, now: datetime, limit: int = 500) -> list[Job]:
-    """Queued jobs in admission order (priority, then FIFO), past any retry backoff."""
+    """Queued jobs in admission order (priority, then FIFO), past any retry backoff.
+
+    On PostgreSQL the rows are locked (`FOR UPDATE SKIP LOCKED`): a cancel in flight keeps its row, and this
+    dispatcher skips it instead of waiting on it.
+    """
     query = (
         select(Job)
         .where(Job.state == JobState.QUEUED)
         .where(or_(col(Job.not_before).is_(None), col(Job.not_before) <= now))
         .order_by(col(Job.priority).desc(), col(Job.created_at), col(Job.id))
         .limit(limit)
+        .with_for_update(skip_locked=True)
     )
     return list(session.exec(query).all())
+
+
+def set_reason(session: Session, job_id: str, reason: str) -> None:
+    """Why a queued job waits (not a state change: no event)."""
+    session.execute(
+        update(Job).where(Job.id == job_id, Job.state == JobState.QUEUED).values(state_reason=reason[:1000])
+    )
 
 
 def heartbeat(session: Session, *, owner: str, now: datetime, seconds: float) -> int:
@@ -51,10 +75,13 @@ def take_over(session: Session, *, owner: str, now: datetime, seconds: float, in
     expired = or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now)
     if include_own:
         expired = or_(expired, Job.lease_owner == owner)
-    candidates = session.exec(select(Job).where(col(Job.state).in_(ACTIVE_STATES)).where(expired)).all()
+    candidates = session.exec(
+        select(Job).where(col(Job.state).in_(ACTIVE_STATES)).where(expired).with_for_update(skip_locked=True)
+    ).all()
     taken = []
     for job in candidates:
         values = lease_values(owner, now, seconds)
+        previous = job.lease_owner  # the UPDATE below syncs the new owner into `job`
         result = session.execute(
             update(Job)
             .where(Job.id == job.id, Job.state == job.state)
@@ -67,7 +94,7 @@ def take_over(session: Session, *, owner: str, now: datetime, seconds: float, in
                     job_id=job.id,
                     kind="lease",
                     reason="adopted",
-                    message=f"lease taken over from {job.lease_owner or 'nobody'}",
+                    message=f"lease taken over from {previous or 'nobody'}",
                     attempt=job.attempt,
                     actor=owner,
                     at=now,

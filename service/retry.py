@@ -22,6 +22,7 @@ def decide(
     backoff_seconds: float,
     max_backoff_seconds: float,
     retry_on_timeout: bool = False,
+    preemptions: int = 0,
 ) -> RetryDecision:
     """Retry a retryable end while attempts remain, after exponential backoff (doubling, capped).
 
@@ -30,6 +31,9 @@ def decide(
     """
     if reason is EndReason.SUCCEEDED:
         return RetryDecision(False, why="succeeded")
+    if reason is EndReason.PREEMPTED:
+        return RetryDecision(True, why="preempted: back to the queue, resuming from its checkpoint")
+    attempt -= preemptions  # preempted attempts were not failures: they do not use up max_attempts
     if not (reason.is_retryable() or (reason is EndReason.TIMEOUT and retry_on_timeout)):
         return RetryDecision(False, why=f"{reason.value} is not retryable")
     if attempt >= max_attempts:

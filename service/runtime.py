@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy.engine import Engine
 
 from service.db import create_schema, make_engine
 from service.dispatcher import Dispatcher
+from service.noop_backend import NoopJobs
 from service.ray_jobs import RayJobs
 from service.ray_local import LocalHead, ensure_local_head, stop_local_head
 from service.settings import Settings
@@ -41,7 +43,7 @@ class Runtime:
 
     settings: Settings
     engine: Engine
-    ray: RayJobs
+    ray: Any  # RayJobs, or NoopJobs for queue stress tests
     local_head: LocalHead | None = None
     dispatcher: Dispatcher | None = None
     _thread: threading.Thread | None = None
@@ -52,7 +54,10 @@ class Runtime:
         engine = make_engine(settings.database_url)
         create_schema(engine)
         head = None
-        if settings.ray_address is None and manage_local_ray:
+        ray: Any
+        if settings.backend.startswith("noop:"):
+            ray = NoopJobs(settings.backend.removeprefix("noop:"))
+        elif settings.ray_address is None and manage_local_ray:
             head = ensure_local_head(
                 settings.data_dir.resolve(),
                 num_cpus=settings.local_ray_num_cpus,

@@ -11,10 +11,42 @@ class Candidate:
 
     job_id: str
     priority: int
-    seq: float  # FIFO key within a priority (creation time)
+    seq: float  # FIFO key within a priority (creation time, seconds)
     num_workers: int
     per_worker: dict[str, float]
     placement: str = "pack"  # pack | spread | strict_pack | strict_spread
+    queue: str = "default"
+
+    def total(self) -> dict[str, float]:
+        return {k: v * self.num_workers for k, v in self.per_worker.items()}
+
+
+@dataclass(frozen=True)
+class QueueLimit:
+    """Caps on what one named queue may run at once (None: no cap)."""
+
+    max_running: int | None = None
+    max_cpus: float | None = None
+    max_gpus: float | None = None
+    preemption: bool = False  # may its jobs preempt lower-priority running jobs?
+
+
+@dataclass
+class QueueUsage:
+    running: int = 0
+    cpus: float = 0.0
+    gpus: float = 0.0
+
+    def add(self, total: dict[str, float]) -> None:
+        self.running += 1
+        self.cpus += total.get("CPU", 0.0)
+        self.gpus += total.get("GPU", 0.0)
+
+
+@dataclass
+class Plan:
+    admit: list[str] = field(default_factory=list)
+    waiting: dict[str, str] = field(default_factory=dict)  # job id -> why it waits, for `state_reason`
 
 
 @dataclass
@@ -68,22 +100,65 @@ def order(candidates: list[Candidate]) -> list[Candidate]:
     return sorted(candidates, key=lambda c: (-c.priority, c.seq, c.job_id))
 
 
-def pick(candidates: list[Candidate], nodes: list[NodeFree], *, backfill: bool = True) -> list[str]:
-    """The job ids to admit now, in order, each with room for its whole worker group.
+def over_limit(cand: Candidate, limit: QueueLimit | None, usage: QueueUsage) -> str | None:
+    """Why `cand` would break its queue's limits, or None."""
+    if limit is None:
+        return None
+    total = cand.total()
+    if limit.max_running is not None and usage.running + 1 > limit.max_running:
+        return f"queue '{cand.queue}' is at its limit of {limit.max_running} running jobs"
+    if limit.max_cpus is not None and usage.cpus + total.get("CPU", 0.0) > limit.max_cpus + 1e-9:
+        return f"queue '{cand.queue}' would exceed its {limit.max_cpus:g} CPUs ({usage.cpus:g} in use)"
+    if limit.max_gpus is not None and usage.gpus + total.get("GPU", 0.0) > limit.max_gpus + 1e-9:
+        return f"queue '{cand.queue}' would exceed its {limit.max_gpus:g} GPUs ({usage.gpus:g} in use)"
+    return None
 
-    Without backfill the first job that does not fit blocks the rest (strict order). With backfill, later jobs may
-    start in the room left while an earlier one waits for more.
+
+def plan(
+    candidates: list[Candidate],
+    nodes: list[NodeFree],
+    *,
+    limits: dict[str, QueueLimit] | None = None,
+    usage: dict[str, QueueUsage] | None = None,
+    now: float = 0.0,
+    reserve_after_seconds: float | None = None,
+    backfill: bool = True,
+) -> Plan:
+    """The job ids to admit now, in order, each with room for its whole worker group; and why the rest wait.
+
+    Higher priority first, FIFO within a priority. With backfill a later job may start in room an earlier one cannot
+    use yet, until that earlier one has waited `reserve_after_seconds`: from then on nothing behind it starts, so the
+    room it needs is kept for it as running jobs end (bounded wait instead of starvation).
     """
+    limits = limits or {}
+    usage = {k: QueueUsage(v.running, v.cpus, v.gpus) for k, v in (usage or {}).items()}
     free_nodes = [NodeFree(n.node_id, dict(n.free)) for n in nodes]
-    admitted: list[str] = []
+    result = Plan()
+    holder: Candidate | None = None
     for cand in order(candidates):
+        if holder is not None:
+            result.waiting[cand.job_id] = f"held behind {holder.job_id}, which has waited longest for room"
+            continue
+        q_usage = usage.setdefault(cand.queue, QueueUsage())
+        reason = over_limit(cand, limits.get(cand.queue), q_usage)
+        if reason:
+            result.waiting[cand.job_id] = reason
+            continue
         placed = place(cand, free_nodes)
         if placed is None:
-            if not backfill:
-                break
+            result.waiting[cand.job_id] = f"waiting for room for {cand.num_workers} x {cand.per_worker}"
+            starving = reserve_after_seconds is not None and now - cand.seq >= reserve_after_seconds
+            if not backfill or starving:
+                holder = cand
             continue
         by_id = {n.node_id: n for n in free_nodes}
         for node_id in placed:
             _take(by_id[node_id].free, cand.per_worker)
-        admitted.append(cand.job_id)
-    return admitted
+        q_usage.add(cand.total())
+        result.admit.append(cand.job_id)
+    return result
+
+
+def pick(candidates: list[Candidate], nodes: list[NodeFree], *, backfill: bool = True) -> list[str]:
+    """The job ids `plan` admits, for callers that need no reasons or limits."""
+    return plan(candidates, nodes, backfill=backfill).admit

@@ -21,6 +21,9 @@ class Settings(BaseSettings):
     # Set: the GCS address of an existing cluster (`host:6379`); the Jobs API is then at ray_dashboard_url.
     ray_address: str | None = None
     ray_dashboard_url: str | None = None
+    # "ray" (default), or "noop:<dir>": a stand-in that finishes every job at once, for queue stress tests and
+    # benchmarks (see service/noop_backend.py).
+    backend: str = "ray"
     storage_uri: str = "./shunter-data/checkpoints"
     data_dir: Path = Path("./shunter-data")
 
@@ -29,9 +32,19 @@ class Settings(BaseSettings):
     api_tokens: dict[str, dict[str, Any]] | None = None
     public_url: str | None = Field(None, description="how Ray workers reach this API; default http://host:port")
 
+    # Named queues and their limits, e.g. {"research": {"max_running": 2, "max_gpus": 8, "preemption": true}}.
+    queues: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    # A queued job blocked this long stops backfill behind it, so smaller jobs cannot starve it.
+    reserve_after_seconds: float = Field(300.0, ge=0)
+    # With an autoscaler, a job too big for today's cluster is held with a reason instead of refused.
+    cluster_may_grow: bool = False
+    preemption_grace_seconds: float = Field(60.0, ge=0)
+
     dispatcher_id: str | None = Field(None, description="default: hostname:pid; `serve` uses a stable one")
     dispatcher_tick_seconds: float = Field(0.5, gt=0)
     lease_seconds: float = Field(15.0, gt=0)
+    dispatcher_threads: int = Field(8, ge=1, le=64, description="jobs reconciled at once by one dispatcher")
+    admit_batch: int = Field(64, ge=1, le=10_000, description="queued jobs one admission pass considers")
 
     # The managed local Ray head (only when ray_address is unset).
     local_ray_num_cpus: int | None = None
@@ -40,6 +53,13 @@ class Settings(BaseSettings):
     stop_ray_on_exit: bool = True
     # How often the Ray Train controller polls workers: each ray.train.report() waits for that poll.
     train_poll_seconds: float = Field(0.25, gt=0)
+
+    @field_validator("queues", mode="before")
+    @classmethod
+    def _queues_from_json(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return json.loads(value) if value.strip() else {}
+        return value
 
     @field_validator("api_tokens", mode="before")
     @classmethod

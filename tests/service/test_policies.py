@@ -64,3 +64,40 @@ def test_retry_decide(reason: EndReason, attempt: int, max_attempts: int, retry:
     d = decide(reason=reason, attempt=attempt, max_attempts=max_attempts, backoff_seconds=10, max_backoff_seconds=60)
     assert d.retry is retry
     assert d.delay_seconds == delay
+
+
+# ---- queue limits and the starvation guard -------------------------------------------------------------------
+from service.scheduler import QueueLimit, QueueUsage, plan  # noqa: E402
+
+
+def test_queue_limit_on_running_jobs_holds_the_rest_with_a_reason() -> None:
+    cands = [cand("a", 1, seq=1), cand("b", 1, seq=2)]
+    cands = [Candidate(c.job_id, 0, c.seq, 1, {"CPU": 1.0}, "pack", "research") for c in cands]
+    result = plan(cands, nodes(8), limits={"research": QueueLimit(max_running=2)}, usage={"research": QueueUsage(1)})
+    assert result.admit == ["a"]
+    assert "limit of 2 running jobs" in result.waiting["b"]
+
+
+def test_queue_gpu_and_cpu_caps() -> None:
+    big = Candidate("g", 0, 1, 2, {"CPU": 1.0, "GPU": 2.0}, "pack", "q")
+    free = [NodeFree("n0", {"CPU": 8, "GPU": 8})]
+    assert plan([big], free, limits={"q": QueueLimit(max_gpus=3)}).admit == []
+    assert plan([big], free, limits={"q": QueueLimit(max_gpus=4)}).admit == ["g"]
+    assert "CPUs" in plan([big], free, limits={"q": QueueLimit(max_cpus=1)}).waiting["g"]
+
+
+def test_other_queues_are_not_held_by_a_full_one() -> None:
+    a = Candidate("a", 5, 1, 1, {"CPU": 1.0}, "pack", "full")
+    b = Candidate("b", 0, 2, 1, {"CPU": 1.0}, "pack", "default")
+    assert plan([a, b], nodes(4), limits={"full": QueueLimit(max_running=0)}).admit == ["b"]
+
+
+@pytest.mark.parametrize(("waited", "admitted"), [(10.0, ["small"]), (400.0, [])])
+def test_backfill_stops_once_the_blocked_job_has_waited_long_enough(waited: float, admitted: list[str]) -> None:
+    """A big job blocked for longer than the reservation threshold keeps the room: small ones stop jumping ahead."""
+    big = cand("big", 4, seq=0.0)
+    small = cand("small", 1, seq=1.0)
+    result = plan([big, small], nodes(2), now=waited, reserve_after_seconds=300)
+    assert result.admit == admitted
+    if not admitted:
+        assert "held behind big" in result.waiting["small"]

@@ -226,9 +226,12 @@ class Prepared:
         return out
 
     def report(self, metrics: dict[str, Any] | None = None, *, checkpoint: bool = False, **values: Any) -> None:
-        """Report to Ray Train from every rank (V2 needs all), with a full checkpoint when asked."""
+        """Report to Ray Train from every rank (V2 needs all), with a full checkpoint when asked, or when the job has
+        been asked to make room for a higher-priority one (see `workers.preemption`)."""
+        from workers import preemption
         from workers.checkpoint import report
 
+        checkpoint = preemption.requested() or checkpoint
         report(self, self.metrics(**(metrics or {}), **values), checkpoint=checkpoint)
 
 

@@ -1,0 +1,93 @@
+"""Many dispatcher processes against one database, one of them killed again and again: every job is claimed
+once and finishes once. Ray is replaced here by the noop backend (each job "runs" instantly, and a second
+submission of one id is refused as Ray refuses it): what is under test is the claim, not the training."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from sqlalchemy import insert
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, select
+
+from service.models import Job, JobEvent, JobState, new_job_id, utcnow
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = {"entrypoint": {"callable": "examples.mlp:train_loop"}, "resources": {"num_workers": 1}}
+
+
+def enqueue(engine: Engine, n: int) -> None:
+    now = utcnow()
+    rows = [
+        {"id": new_job_id(), "name": f"noop-{i}", "owner": "stress", "queue": "default", "priority": i % 3,
+         "state": JobState.QUEUED, "spec": SPEC, "attempt": 0, "cancel_requested": False, "created_at": now,
+         "updated_at": now, "preemptions": 0}
+        for i in range(n)
+    ]  # fmt: skip
+    with Session(engine) as session:
+        session.execute(insert(Job), rows)
+        session.execute(insert(JobEvent), [{"job_id": r["id"], "kind": "state", "to_state": JobState.QUEUED,
+                                            "reason": "submitted", "at": now} for r in rows])  # fmt: skip
+        session.commit()
+
+
+def dispatcher(url: str, noop_dir: Path, log: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    env.update({"SHUNTER_DATABASE_URL": url, "SHUNTER_BACKEND": f"noop:{noop_dir}", "SHUNTER_LEASE_SECONDS": "2",
+                "SHUNTER_DISPATCHER_TICK_SECONDS": "0.05", "SHUNTER_DATA_DIR": str(noop_dir.parent)})  # fmt: skip
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "api.cli", "dispatcher"], env=env, cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+def test_dispatchers_drain_claims_with_one_killed_repeatedly(db: Engine, tmp_path: Path) -> None:
+    postgres = db.dialect.name == "postgresql"
+    n_jobs, n_dispatchers = (3000, 4) if postgres else (1500, 2)
+    enqueue(db, n_jobs)
+    url = db.url.render_as_string(hide_password=False)
+    noop_dir = tmp_path / "noop"
+    procs = [dispatcher(url, noop_dir, tmp_path / f"d{i}.log") for i in range(n_dispatchers)]
+    rng = random.Random(7)
+    kills = 0
+    started = time.monotonic()
+    try:
+        for _ in range(4):
+            time.sleep(rng.uniform(0.3, 1.5))
+            victim = procs.pop(rng.randrange(len(procs)))
+            os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait()
+            kills += 1
+            procs.append(dispatcher(url, noop_dir, tmp_path / f"r{kills}.log"))
+
+        def done() -> int:
+            with Session(db) as s:
+                return len(s.exec(select(Job.id).where(Job.state == JobState.SUCCEEDED)).all())
+
+        wait_for(lambda: done() == n_jobs, timeout=240, interval=1.0, what=f"{n_jobs} jobs SUCCEEDED")
+        elapsed = time.monotonic() - started
+    finally:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    with Session(db) as s:
+        events = s.exec(select(JobEvent).where(JobEvent.kind == "state")).all()
+        jobs = s.exec(select(Job)).all()
+    claims = Counter(e.job_id for e in events if e.to_state == JobState.STARTING)
+    ends = Counter(e.job_id for e in events if e.to_state == JobState.SUCCEEDED)
+    assert len(jobs) == n_jobs
+    assert set(claims.values()) == {1}, "a job was claimed twice"
+    assert set(ends.values()) == {1} and len(ends) == n_jobs, "a job was lost or finished twice"
+    assert {j.attempt for j in jobs} == {1}
+    submits = Counter(line.split()[0] for line in (noop_dir / "submits.log").read_text().splitlines())
+    assert len(submits) == n_jobs and set(submits.values()) == {1}, "a submission id was submitted twice"
+    print(f"\n{db.dialect.name}: {n_jobs} jobs, {n_dispatchers} dispatchers, {kills} kills: {n_jobs / elapsed:.0f}/s")
