@@ -134,6 +134,32 @@ def _refuse_open_bind(host: str, has_tokens: bool, insecure: bool) -> None:
         raise typer.Exit(2)
 
 
+db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument(help="target revision")] = "head") -> None:
+    """Migrate SHUNTER_DATABASE_URL to the newest schema (safe to run from several processes at once)."""
+    from service.db import make_engine
+    from service.migrate import current, upgrade
+    from service.settings import get_settings
+
+    engine = make_engine(get_settings().database_url)
+    upgrade(engine, revision)
+    console.print(f"database at revision {current(engine)}")
+
+
+@db_app.command("current")
+def db_current() -> None:
+    """The schema revision the database is at."""
+    from service.db import make_engine
+    from service.migrate import current
+    from service.settings import get_settings
+
+    console.print(current(make_engine(get_settings().database_url)) or "empty (no shunter schema yet)")
+
+
 # ---- client commands --------------------------------------------------------------------------------------------
 def _load_spec(path: Path) -> dict[str, Any]:
     try:

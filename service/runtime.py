@@ -9,7 +9,8 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from service.db import create_schema, make_engine
+from service import migrate
+from service.db import make_engine
 from service.dispatcher import Dispatcher
 from service.noop_backend import NoopJobs
 from service.ray_jobs import RayJobs
@@ -52,7 +53,7 @@ class Runtime:
     @classmethod
     def open(cls, settings: Settings, *, manage_local_ray: bool = False) -> Runtime:
         engine = make_engine(settings.database_url)
-        create_schema(engine)
+        migrate.upgrade(engine)
         head = None
         ray: Any
         if settings.backend.startswith("noop:"):

@@ -18,7 +18,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from api.client import Client
-from service.db import create_schema, make_engine
+from service.db import make_engine
+from service.migrate import upgrade
 from service.ray_jobs import RayJobs
 from service.ray_local import LocalHead, free_port
 from tests.conftest import wait_for
@@ -42,7 +43,7 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
     """A fresh, empty database with shunter's schema: a SQLite file, or a new PostgreSQL database."""
     if request.param == "sqlite":
         engine = make_engine(f"sqlite:///{tmp_path / 'shunter.db'}")
-        create_schema(engine)
+        upgrade(engine)
         yield engine
         engine.dispose()
         return
@@ -55,7 +56,7 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     engine = make_engine(PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}")
-    create_schema(engine)
+    upgrade(engine)
     yield engine
     engine.dispose()
     with admin.connect() as conn:
