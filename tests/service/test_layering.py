@@ -23,7 +23,7 @@ def test_control_plane_imports_without_torch() -> None:
         ".".join(p.relative_to(ROOT).with_suffix("").parts)
         for pkg in ("api", "service")
         for p in (ROOT / pkg).rglob("*.py")
-        if p.name != "__init__.py"
+        if p.name != "__init__.py" and "migrations" not in p.parts  # Alembic runs those, not imports
     )
     code = BLOCK_TRAINING_STACK + "".join(f"import {m}\n" for m in modules) + "from api.app import create_app\n"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
