@@ -55,6 +55,8 @@ def train_loop(config: dict[str, Any]) -> None:
                 samples_per_s=samples / max(time.monotonic() - started, 1e-9),
                 checkpoint=done or bool(checkpoint_every and prepared.step % checkpoint_every == 0),
             )
+            if config.get("step_sleep"):
+                time.sleep(float(config["step_sleep"]))  # lets tests catch the job mid-run
             started = time.monotonic()
             if done:
                 return

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -174,8 +175,8 @@ class MultiNode:
     workers: dict[str, object]  # name -> node handle
 
 
-@pytest.fixture
-def multinode(tmp_path: Path) -> Iterator[MultiNode]:
+@contextlib.contextmanager
+def _multinode(tmp: Path) -> Iterator[MultiNode]:
     """Head (1 CPU) + nodes `a` and `b` (1 CPU each, with custom resources `node_a` / `node_b`)."""
     from ray.cluster_utils import Cluster
 
@@ -200,7 +201,7 @@ def multinode(tmp_path: Path) -> Iterator[MultiNode]:
         workers = {name: cluster.add_node(num_cpus=1, resources={f"node_{name}": 1}) for name in ("a", "b")}
         cluster.wait_for_nodes()
         head = LocalHead(
-            gcs_address=cluster.address, dashboard_url=f"http://127.0.0.1:{dashboard_port}", temp_dir=str(tmp_path)
+            gcs_address=cluster.address, dashboard_url=f"http://127.0.0.1:{dashboard_port}", temp_dir=str(tmp)
         )
         wait_for(lambda: httpx.get(f"{head.dashboard_url}/api/version").status_code == 200, what="dashboard")
         yield MultiNode(cluster=cluster, head=head, workers=workers)
@@ -208,6 +209,20 @@ def multinode(tmp_path: Path) -> Iterator[MultiNode]:
         cluster.shutdown()
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.fixture
+def multinode(tmp_path: Path) -> Iterator[MultiNode]:
+    """A fresh 3-node cluster for one test (tests that remove nodes)."""
+    with _multinode(tmp_path) as mn:
+        yield mn
+
+
+@pytest.fixture(scope="module")
+def multinode_shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNode]:
+    """One 3-node cluster for a module's tests (each leaves it as it found it)."""
+    with _multinode(tmp_path_factory.mktemp("multinode")) as mn:
+        yield mn
 
 
 def train_worker_nodes(dashboard_url: str, submission_id: str) -> list[str]:
