@@ -19,6 +19,7 @@ from api.deps import RuntimeDep
 from api.routes import cluster as cluster_routes
 from api.routes import events as events_routes
 from api.routes import jobs as jobs_routes
+from api.routes import queues as queues_routes
 from api.schemas import ReadyBody
 from service.errors import ShunterError
 from service.runtime import Runtime
@@ -127,5 +128,6 @@ def create_app(
     app.include_router(jobs_routes.router)
     app.include_router(events_routes.router)
     app.include_router(cluster_routes.router)
+    app.include_router(queues_routes.router)
     app.include_router(metrics.router)
     return app

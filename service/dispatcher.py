@@ -338,6 +338,8 @@ class Dispatcher:
         spec = JobSpec.model_validate(job.spec)
         runtime_env = json.loads(json.dumps(spec.runtime_env))
         env_vars: dict[str, str] = dict(runtime_env.get("env_vars", {}))
+        for name, value in self.settings.job_env.items():
+            env_vars.setdefault(name, str(value))
         cpus = spec.resources.per_worker().get("CPU", 1.0)
         # torchrun sets OMP_NUM_THREADS; Ray workers do not, and oversubscribed OpenMP threads slow steps a lot.
         env_vars.setdefault("OMP_NUM_THREADS", str(max(1, int(cpus))))

@@ -32,6 +32,8 @@ class Settings(BaseSettings):
     api_tokens: dict[str, dict[str, Any]] | None = None
     public_url: str | None = Field(None, description="how Ray workers reach this API; default http://host:port")
 
+    # Merged into every job's runtime_env.env_vars (the spec's own values win), e.g. cluster-wide NCCL settings.
+    job_env: dict[str, str] = Field(default_factory=dict)
     # Named queues and their limits, e.g. {"research": {"max_running": 2, "max_gpus": 8, "preemption": true}}.
     queues: dict[str, dict[str, Any]] = Field(default_factory=dict)
     # A queued job blocked this long stops backfill behind it, so smaller jobs cannot starve it.
@@ -53,6 +55,13 @@ class Settings(BaseSettings):
     stop_ray_on_exit: bool = True
     # How often the Ray Train controller polls workers: each ray.train.report() waits for that poll.
     train_poll_seconds: float = Field(0.25, gt=0)
+
+    @field_validator("job_env", mode="before")
+    @classmethod
+    def _job_env_from_json(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return json.loads(value) if value.strip() else {}
+        return value
 
     @field_validator("queues", mode="before")
     @classmethod
