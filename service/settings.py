@@ -9,7 +9,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -56,25 +56,13 @@ class Settings(BaseSettings):
     # How often the Ray Train controller polls workers: each ray.train.report() waits for that poll.
     train_poll_seconds: float = Field(0.25, gt=0)
 
-    @field_validator("job_env", mode="before")
+    @field_validator("job_env", "queues", "api_tokens", mode="before")
     @classmethod
-    def _job_env_from_json(cls, value: Any) -> Any:
+    def _json_mappings(cls, value: Any, info: ValidationInfo) -> Any:
+        """These settings are JSON objects in the environment; an empty value means none."""
         if isinstance(value, str):
-            return json.loads(value) if value.strip() else {}
-        return value
-
-    @field_validator("queues", mode="before")
-    @classmethod
-    def _queues_from_json(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return json.loads(value) if value.strip() else {}
-        return value
-
-    @field_validator("api_tokens", mode="before")
-    @classmethod
-    def _tokens_from_json(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return json.loads(value) if value.strip() else None
+            empty = None if info.field_name == "api_tokens" else {}
+            return json.loads(value) if value.strip() else empty
         return value
 
     def resolved_dispatcher_id(self, *, stable: bool = False) -> str:
