@@ -1,0 +1,79 @@
+"""Part 5: admission latency on a real local head (2 CPUs) where two 2-worker jobs cannot both fit: from the end of
+one job (its train loop's last step; Ray's end_time of its Ray Job; its SUCCEEDED event) to the next queued job's
+STARTING event. Negative values: the next job was admitted before that moment (Ray frees the workers' CPUs before the
+driver exits)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from datetime import UTC
+from pathlib import Path
+from typing import Any
+
+from bench import common
+from bench.common import log
+from bench.orchestration import shunter_spec, start_service
+
+TICK = 0.25
+
+
+def _ts(at: Any) -> float:
+    return (at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp()
+
+
+def run(quick: bool) -> dict[str, Any]:
+    from ray.job_submission import JobSubmissionClient
+
+    from api.client import Client
+
+    n_jobs = 2 if quick else 3
+    head = common.ray_head()
+    work = Path(tempfile.mkdtemp(prefix="shunter-bench-admit-"))
+    proc, url = start_service(head, work, SHUNTER_DISPATCHER_TICK_SECONDS=str(TICK))
+    gaps = []
+    try:
+        with Client(url) as client:
+            jobs = [client.submit(shunter_spec(30, work / f"a{i}.json", f"bench-admit-{i}")) for i in range(n_jobs)]
+            for job in jobs:
+                final = client.wait(job.id, timeout=300, interval=0.25)
+                if final.state != "SUCCEEDED":
+                    raise RuntimeError(f"{job.id}: {final.state} {final.last_error}")
+            events = {job.id: client.events(job.id) for job in jobs}
+        ray = JobSubmissionClient(head.dashboard_url)
+
+        def at(job_id: str, to: str) -> float:
+            return next(_ts(e.at) for e in events[job_id] if e.kind == "state" and e.to_state == to)
+
+        order = sorted(jobs, key=lambda j: at(j.id, "STARTING"))
+        for i, (before, after) in enumerate(zip(order, order[1:], strict=False)):
+            started = at(after.id, "STARTING")
+            # The train loop's own last timestamp: right after it, Ray Train tears the worker group down and the
+            # CPUs come back, usually before the driver exits and Ray (then shunter) calls the job ended.
+            loop_end = json.loads((work / f"a{jobs.index(before)}.json").read_text())["end_at"]
+            ray_end = ray.get_job_info(f"shunter-{before.id}-1").end_time / 1000.0
+            gap = {
+                "loop_end_to_starting_s": started - loop_end,
+                "ray_end_to_starting_s": started - ray_end,
+                "succeeded_event_to_starting_s": started - at(before.id, "SUCCEEDED"),
+            }
+            gaps.append(gap)
+            log(f"part 5: pair {i}: loop end -> next STARTING {gap['loop_end_to_starting_s']:.2f}s; Ray Job end -> "
+                f"STARTING {gap['ray_end_to_starting_s']:+.2f}s; SUCCEEDED event -> STARTING "
+                f"{gap['succeeded_event_to_starting_s']:+.2f}s (tick {TICK}s)")  # fmt: skip
+        for job in jobs:
+            ray.delete_job(f"shunter-{job.id}-1")
+    finally:
+        common.stop(proc, grace=20)
+    loop = common.median([g["loop_end_to_starting_s"] for g in gaps])
+    rend = common.median([g["ray_end_to_starting_s"] for g in gaps])
+    ev = common.median([g["succeeded_event_to_starting_s"] for g in gaps])
+    return {
+        "tick_s": TICK,
+        "gaps": gaps,
+        "median_loop_end_to_starting_s": loop,
+        "median_ray_end_to_starting_s": rend,
+        "median_succeeded_event_to_starting_s": ev,
+        "ratios": {"(loop end -> next STARTING)/tick": loop / TICK, "(Ray Job end -> next STARTING)/tick": rend / TICK},
+        "targets": {"loop end -> next STARTING <= one tick": loop <= TICK},
+    }
