@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 from enum import Enum
 from typing import Any
 
-from sqlalchemy import JSON, Column, DateTime, Index, Text
+from sqlalchemy import JSON, Column, DateTime, Index, Text, text
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
@@ -96,7 +96,10 @@ class Job(SQLModel, table=True):
     __tablename__ = "jobs"
     __table_args__ = (
         # The queue query: state='QUEUED' ORDER BY priority DESC, created_at — at any depth.
-        Index("ix_jobs_queue_order", "state", "priority", "created_at"),
+        # Admission order: priority DESC, then FIFO; the index matches the ORDER BY so no pass sorts the queue.
+        Index("ix_jobs_admission_order", "state", text("priority DESC"), "created_at", "id"),
+        Index("ix_jobs_state_queue_created", "state", "queue", "created_at", "id"),
+        Index("ix_jobs_name_created", "name", "created_at", "id"),
         # Listings: ORDER BY created_at DESC, id DESC (the cursor's order), for everyone and per owner.
         Index("ix_jobs_created_id", "created_at", "id"),
         Index("ix_jobs_owner_created_id", "owner", "created_at", "id"),
