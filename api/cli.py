@@ -5,6 +5,7 @@ The client commands are plain clients of the REST API (`api.client`); they work 
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
@@ -12,9 +13,11 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
+import httpx
 import typer
 import yaml
 from rich.console import Console
@@ -43,7 +46,19 @@ def _client(server: str, token: str | None) -> Client:
     return Client(server, token=token)
 
 
-def _fail(exc: Exception) -> None:
+@contextlib.contextmanager
+def _calling(server: str, token: str | None) -> Iterator[Client]:
+    """A client whose API errors end the command with the server's message (exit 1 for 4xx, 2 otherwise)."""
+    with _client(server, token) as c:
+        try:
+            yield c
+        except ApiError as exc:
+            _fail(exc)
+        except httpx.HTTPError as exc:
+            _fail(RuntimeError(f"cannot reach the shunter API at {server}: {exc}"))
+
+
+def _fail(exc: Exception) -> NoReturn:
     err.print(f"[red]error:[/red] {exc}")
     raise typer.Exit(1 if isinstance(exc, ApiError) and exc.status_code < 500 else 2)
 
@@ -203,12 +218,8 @@ def submit(
 @app.command()
 def status(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
     """One job: state, attempt, step, loss, checkpoint, error."""
-    with _client(server, token) as c:
-        try:
-            job = c.get(job_id)
-        except ApiError as exc:
-            _fail(exc)
-            return
+    with _calling(server, token) as c:
+        job = c.get(job_id)
     if as_json:
         console.print_json(job.model_dump_json())
         return
@@ -231,12 +242,8 @@ def list_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Jobs, newest first."""
-    with _client(server, token) as c:
-        try:
-            page = c.list(state=state.upper() if state else None, limit=limit)
-        except ApiError as exc:
-            _fail(exc)
-            return
+    with _calling(server, token) as c:
+        page = c.list(state=state.upper() if state else None, limit=limit)
     if as_json:
         console.print_json(page.model_dump_json())
         return
@@ -252,24 +259,16 @@ def list_cmd(
 @app.command()
 def cancel(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
     """Cancel a job (its Ray Job is stopped)."""
-    with _client(server, token) as c:
-        try:
-            body = c.cancel(job_id)
-        except ApiError as exc:
-            _fail(exc)
-            return
+    with _calling(server, token) as c:
+        body = c.cancel(job_id)
     console.print(f"{job_id}: {body['detail']} (state {body['state']})")
 
 
 @app.command()
 def retry(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
     """Queue a FAILED or CANCELLED job again, resuming from its last good checkpoint."""
-    with _client(server, token) as c:
-        try:
-            body = c.retry(job_id)
-        except ApiError as exc:
-            _fail(exc)
-            return
+    with _calling(server, token) as c:
+        body = c.retry(job_id)
     console.print(f"{job_id}: {body['detail']} (state {body['state']})")
 
 
@@ -282,16 +281,13 @@ def logs(
     token: TokenOpt = None,
 ) -> None:
     """The job's driver and worker output."""
-    with _client(server, token) as c:
-        try:
-            if follow:
-                for chunk in c.follow_logs(job_id, attempt=attempt):
-                    sys.stdout.write(chunk)
-                    sys.stdout.flush()
-            else:
-                sys.stdout.write(c.logs(job_id, attempt=attempt))
-        except ApiError as exc:
-            _fail(exc)
+    with _calling(server, token) as c:
+        if follow:
+            for chunk in c.follow_logs(job_id, attempt=attempt):
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+        else:
+            sys.stdout.write(c.logs(job_id, attempt=attempt))
 
 
 def _event_row(table: Table, e: EventPublic) -> None:
@@ -311,21 +307,17 @@ def events(
 
     With --follow a job's stream ends after its terminal event; with --json, one JSON object per line.
     """
-    with _client(server, token) as c:
-        try:
-            if follow:
-                for e in c.stream_events(job_id):
-                    if as_json:
-                        print(e.model_dump_json(), flush=True)
-                    else:
-                        change = f" {e.from_state or '·'} → {e.to_state}" if e.to_state else ""
-                        job = "" if job_id else f"{e.job_id} "
-                        console.print(f"{e.at:%H:%M:%S} {job}{e.kind}{change} ({e.reason}) {e.message or ''}")
-                return
-            rows = c.events(job_id) if job_id else c.all_events(limit=1000)
-        except ApiError as exc:
-            _fail(exc)
+    with _calling(server, token) as c:
+        if follow:
+            for e in c.stream_events(job_id):
+                if as_json:
+                    print(e.model_dump_json(), flush=True)
+                else:
+                    change = f" {e.from_state or '·'} → {e.to_state}" if e.to_state else ""
+                    job = "" if job_id else f"{e.job_id} "
+                    console.print(f"{e.at:%H:%M:%S} {job}{e.kind}{change} ({e.reason}) {e.message or ''}")
             return
+        rows = c.events(job_id) if job_id else c.all_events(limit=1000)
     if as_json:
         console.print_json(json.dumps([r.model_dump(mode="json") for r in rows]))
         return
@@ -344,12 +336,8 @@ def metrics(
     as_json: JsonOpt = False,
 ) -> None:
     """Reported metrics of a job (every ray.train.report value), by step."""
-    with _client(server, token) as c:
-        try:
-            points = c.metrics(job_id, name=name)
-        except ApiError as exc:
-            _fail(exc)
-            return
+    with _calling(server, token) as c:
+        points = c.metrics(job_id, name=name)
     if as_json:
         console.print_json(json.dumps([p.model_dump(mode="json") for p in points]))
         return
@@ -370,12 +358,8 @@ def _num(value: float | None) -> str:
 @app.command()
 def checkpoints(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
     """A job's checkpoints: attempt, step, metrics, where it lies, complete / pruned."""
-    with _client(server, token) as c:
-        try:
-            rows = c.checkpoints(job_id)
-        except ApiError as exc:
-            _fail(exc)
-            return
+    with _calling(server, token) as c:
+        rows = c.checkpoints(job_id)
     if as_json:
         console.print_json(json.dumps([r.model_dump(mode="json") for r in rows]))
         return
@@ -391,12 +375,8 @@ def checkpoints(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = 
 @app.command()
 def cluster(server: ServerOpt = DEFAULT_URL, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
     """The Ray cluster as the dispatcher last saw it: nodes, free resources, dashboard, running jobs."""
-    with _client(server, token) as c:
-        try:
-            view = c.cluster()
-        except ApiError as exc:
-            _fail(exc)
-            return
+    with _calling(server, token) as c:
+        view = c.cluster()
     if as_json:
         console.print_json(view.model_dump_json())
         return
@@ -413,12 +393,8 @@ def cluster(server: ServerOpt = DEFAULT_URL, token: TokenOpt = None, as_json: Js
 @app.command()
 def watch(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
     """Follow a job to its end with a progress bar (step / total, loss, ETA) and its state changes."""
-    with _client(server, token) as c:
-        try:
-            job = c.get(job_id)
-        except ApiError as exc:
-            _fail(exc)
-            return
+    with _calling(server, token) as c:
+        job = c.get(job_id)
         total = job.spec.get("config", {}).get("total_steps") or job.spec.get("config", {}).get("steps")
         seen_events = 0
         columns = [TextColumn("[bold]{task.fields[state]}"), BarColumn(), TextColumn("step {task.completed:.0f}"),

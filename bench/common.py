@@ -110,18 +110,9 @@ def wait_http(url: str, *, timeout: float = 60.0, proc: subprocess.Popen[bytes] 
 
 # ---- databases ------------------------------------------------------------------------------------------------
 def postgres_available() -> bool:
-    from sqlalchemy import text
+    from service.db import reachable
 
-    from service.db import make_engine
-
-    try:
-        engine = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-        with engine.connect() as conn:
-            conn.execute(text("SELECT 1"))
-        engine.dispose()
-        return True
-    except Exception:  # noqa: BLE001
-        return False
+    return reachable(PG_ADMIN_URL)
 
 
 @contextlib.contextmanager

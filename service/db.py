@@ -66,3 +66,15 @@ def session_scope(engine: Engine) -> Iterator[Session]:
 def begin_write(session: Session) -> None:
     """Mark the session's transaction as a write one (BEGIN IMMEDIATE on SQLite; no-op elsewhere)."""
     session.connection(execution_options={WRITE_OPTION: True})
+
+
+def reachable(url: str) -> bool:
+    """Whether a database at `url` answers a query (for tests, benchmarks and readiness-like checks)."""
+    try:
+        engine = make_engine(url, isolation_level="AUTOCOMMIT") if url.startswith("postgresql") else make_engine(url)
+        with engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+        engine.dispose()
+        return True
+    except Exception:  # noqa: BLE001 - any failure means not reachable
+        return False

@@ -19,24 +19,13 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from api.client import Client
-from service.db import make_engine
+from service.db import make_engine, reachable
 from service.migrate import upgrade
 from service.ray_jobs import RayJobs
 from service.ray_local import LocalHead, free_port
 from tests.conftest import wait_for
 
 PG_ADMIN_URL = os.environ.get("SHUNTER_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
-
-
-def _postgres_available() -> bool:
-    try:
-        engine = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-        with engine.connect() as conn:
-            conn.execute(text("SELECT 1"))
-        engine.dispose()
-        return True
-    except Exception:  # noqa: BLE001
-        return False
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -48,7 +37,7 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
         yield engine
         engine.dispose()
         return
-    if not _postgres_available():
+    if not reachable(PG_ADMIN_URL):
         if os.environ.get("CI"):
             pytest.fail("PostgreSQL at 127.0.0.1:5432 is not reachable (CI must start it)")
         pytest.skip("PostgreSQL not reachable")
