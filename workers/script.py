@@ -27,6 +27,15 @@ TORCHRUN_VARS = (
 )  # fmt: skip
 
 
+def launch_dir(given: str, resolved: Path) -> str:
+    """The directory under which `given` (a relative script path) names `resolved`; the cwd for anything else."""
+    relative = Path(given)
+    if relative.is_absolute() or len(resolved.parts) <= len(relative.parts):
+        return os.getcwd()
+    root = Path(*resolved.parts[: len(resolved.parts) - len(relative.parts)])
+    return str(root) if (root / relative).resolve() == resolved else os.getcwd()
+
+
 def resolve_script(script: str) -> Path:
     """The script's path (see `workers.context.locate`)."""
     return locate(script, field="entrypoint.script")
@@ -92,9 +101,12 @@ def run_script(config: dict[str, Any]) -> None:
     run_id = job_id() or ctx.get_experiment_name()
     env = torchrun_environment(master_addr=master_addr, master_port=master_port, run_id=run_id)
     command = [sys.executable, "-u", str(script), *map(str, config.get("args", []))]
+    # Run from the directory the script's relative path was found under (the checkout, or the job's working_dir),
+    # as `torchrun examples/x.py --config examples/c.json` runs from the repo root: its relative args resolve.
+    cwd = launch_dir(config["script"], script)
     print(f"[shunter] rank {env['RANK']}/{env['WORLD_SIZE']}: {' '.join(command)}", flush=True)
     proc = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+        command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
     )
     try:
         assert proc.stdout is not None

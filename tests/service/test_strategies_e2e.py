@@ -48,6 +48,13 @@ def test_unchanged_torchrun_script_via_rest(service: Service) -> None:
         assert "Epoch 1 complete" in logs  # the script's own output, from rank 0
 
 
+def test_unchanged_deepspeed_script_via_rest(service: Service) -> None:
+    with service.client() as c:
+        job = c.wait(c.submit(example("deepspeed-script.yaml")).id, timeout=300)
+        assert job.state == "SUCCEEDED", job.last_error
+        assert "deepspeed epoch 1 complete, zero stage 2" in c.logs(job.id)
+
+
 def test_failing_script_fails_the_job(service: Service, tmp_path: Path) -> None:
     script = tmp_path / "fails.py"
     script.write_text("import os, sys\nprint('rank', os.environ['RANK'], flush=True)\nsys.exit(3)\n")
