@@ -26,11 +26,11 @@ import pytest
 from sqlalchemy import text
 
 from api.client import Client
-from service.db import make_engine
+from service.db import make_engine, reachable
 from service.ray_jobs import RayJobs
 from service.ray_local import LocalHead, ensure_local_head, free_port, head_environment, stop_local_head
 from tests.conftest import wait_for
-from tests.service.conftest import PG_ADMIN_URL, _postgres_available, train_worker_nodes
+from tests.service.conftest import PG_ADMIN_URL, train_worker_nodes
 from tests.service.test_e2e_serve import mlp_spec
 
 pytestmark = pytest.mark.slow
@@ -93,7 +93,7 @@ def processes_of_cluster(temp_dir: str, gcs_address: str) -> list[int]:
 @pytest.fixture
 def pg_url() -> Iterator[str]:
     """A fresh PostgreSQL database, dropped (connections and all) afterwards."""
-    if not _postgres_available():
+    if not reachable(PG_ADMIN_URL):
         if os.environ.get("CI"):
             pytest.fail("PostgreSQL at 127.0.0.1:5432 is not reachable (CI must start it)")
         pytest.skip("PostgreSQL not reachable")
