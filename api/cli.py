@@ -9,13 +9,11 @@ import contextlib
 import ipaddress
 import json
 import logging
-import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import httpx
 import typer
@@ -26,6 +24,9 @@ from rich.table import Table
 
 from api.client import ApiError, Client
 from api.schemas import EventPublic
+
+if TYPE_CHECKING:
+    from service.settings import Settings
 
 app = typer.Typer(help="shunter: a durable queue in front of Ray Train.", no_args_is_help=True, add_completion=False)
 console = Console()
@@ -87,12 +88,8 @@ def serve(
     import uvicorn
 
     from api.app import create_app
-    from service.settings import get_settings
 
-    _logging()
-    settings = get_settings()
-    settings = settings.model_copy(update={"host": host or settings.host, "port": port or settings.port})
-    _refuse_open_bind(settings.host, bool(settings.api_tokens), insecure)
+    settings = _http_settings(host, port, insecure)
     application = create_app(
         settings,
         run_dispatcher=True,
@@ -112,32 +109,29 @@ def api_server(
     import uvicorn
 
     from api.app import create_app
-    from service.settings import get_settings
 
-    _logging()
-    settings = get_settings()
-    settings = settings.model_copy(update={"host": host or settings.host, "port": port or settings.port})
-    _refuse_open_bind(settings.host, bool(settings.api_tokens), insecure)
+    settings = _http_settings(host, port, insecure)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
 
 
 @app.command()
 def dispatcher() -> None:
     """A dispatcher loop alone (run any number against one database)."""
-    from service.runtime import Runtime
+    from service.runtime import run_dispatcher_process
+
+    _logging()
+    run_dispatcher_process()
+
+
+def _http_settings(host: str | None, port: int | None, insecure: bool) -> Settings:
+    """The settings with the command line's bind address, refusing an open bind without tokens."""
     from service.settings import get_settings
 
     _logging()
     settings = get_settings()
-    runtime = Runtime.open(settings)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    owner = settings.resolved_dispatcher_id()
-    from service.dispatcher import Dispatcher
-
-    Dispatcher(engine=runtime.engine, settings=settings, ray=runtime.ray, owner=owner).run(stop)
-    runtime.close()
+    settings = settings.model_copy(update={"host": host or settings.host, "port": port or settings.port})
+    _refuse_open_bind(settings.host, bool(settings.api_tokens), insecure)
+    return settings
 
 
 def _refuse_open_bind(host: str, has_tokens: bool, insecure: bool) -> None:

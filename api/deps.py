@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import Depends, Header, Request
 from sqlmodel import Session
 
-from service.db import begin_write
+from service.db import session_scope
 from service.errors import Unauthorized
 from service.jobs import Caller
 from service.runtime import Runtime
@@ -26,15 +26,8 @@ def get_settings_dep(request: Request) -> Settings:
 
 def get_session(request: Request, runtime: Annotated[Runtime, Depends(get_runtime)]) -> Iterator[Session]:
     """A session per request; requests that change state get a write transaction from the start."""
-    with Session(runtime.engine, expire_on_commit=False) as session:
-        if request.method not in ("GET", "HEAD", "OPTIONS"):
-            begin_write(session)
-        try:
-            yield session
-            session.commit()
-        except BaseException:
-            session.rollback()
-            raise
+    with session_scope(runtime.engine, write=request.method not in ("GET", "HEAD", "OPTIONS")) as session:
+        yield session
 
 
 def get_caller(

@@ -24,8 +24,6 @@ session runs without autoflush, and the reconcile calls admit makes are deferred
 from __future__ import annotations
 
 import contextlib
-import signal
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -67,18 +65,10 @@ class PooledAdmitDispatcher(Dispatcher):
 def main() -> None:
     import logging
 
-    from service.runtime import Runtime
-    from service.settings import get_settings
+    from service.runtime import run_dispatcher_process
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    settings = get_settings()
-    runtime = Runtime.open(settings)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    owner = settings.resolved_dispatcher_id()
-    PooledAdmitDispatcher(engine=runtime.engine, settings=settings, ray=runtime.ray, owner=owner).run(stop)
-    runtime.close()
+    run_dispatcher_process(PooledAdmitDispatcher)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, SQLModel, create_engine
+from sqlmodel import Session, create_engine
 
 from service import models  # noqa: F401  (registers the tables on SQLModel.metadata)
 
@@ -46,15 +46,12 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
 WRITE_OPTION = "shunter_write"
 
 
-def create_schema(engine: Engine) -> None:
-    SQLModel.metadata.create_all(engine)
-
-
 @contextmanager
-def session_scope(engine: Engine) -> Iterator[Session]:
-    """One write transaction: commit on success, roll back on error."""
+def session_scope(engine: Engine, *, write: bool = True) -> Iterator[Session]:
+    """One transaction (a write one unless `write=False`): commit on success, roll back on error."""
     with Session(engine, expire_on_commit=False) as session:
-        begin_write(session)
+        if write:
+            begin_write(session)
         try:
             yield session
             session.commit()

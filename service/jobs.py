@@ -12,10 +12,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from service.errors import Conflict, InvalidSpec, NotFound, StaleWrite
-from service.models import Attempt, Checkpoint, ClusterSnapshot, Job, JobEvent, JobState, Metric, utcnow
+from service.models import Attempt, Checkpoint, ClusterSnapshot, Job, JobEvent, JobState, Metric
 from service.settings import Settings
 from service.spec import JobSpec
-from service.state import record_event, transition
+from service.state import transition
 
 
 @dataclass(frozen=True)
@@ -265,32 +265,3 @@ def metric_series(session: Session, job: Job, *, name: str | None = None, limit:
 def count_by_state(session: Session) -> dict[str, int]:
     rows = session.exec(select(Job.state, func.count()).group_by(Job.state)).all()
     return {JobState(s).value: int(n) for s, n in rows}
-
-
-def current_attempt(session: Session, job: Job) -> Attempt | None:
-    if job.attempt == 0:
-        return None
-    return session.exec(select(Attempt).where(Attempt.job_id == job.id, Attempt.number == job.attempt)).first()
-
-
-def now() -> datetime:
-    return utcnow()
-
-
-__all__ = [
-    "Caller",
-    "active_jobs",
-    "attempts",
-    "cancel",
-    "cluster_snapshot",
-    "checkpoints",
-    "current_attempt",
-    "events",
-    "get",
-    "list_jobs",
-    "metric_series",
-    "record_event",
-    "retry",
-    "submit",
-    "visible_events",
-]

@@ -88,3 +88,21 @@ class Runtime:
             log.info("stopping the local Ray head")
             stop_local_head(self.settings.data_dir.resolve())
         self.engine.dispose()
+
+
+def run_dispatcher_process(dispatcher_cls: type[Dispatcher] = Dispatcher) -> None:
+    """`shunter dispatcher`: one dispatcher loop in this process until SIGINT or SIGTERM."""
+    import signal
+
+    from service.settings import get_settings
+
+    settings = get_settings()
+    runtime = Runtime.open(settings)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    owner = settings.resolved_dispatcher_id()
+    try:
+        dispatcher_cls(engine=runtime.engine, settings=settings, ray=runtime.ray, owner=owner).run(stop)
+    finally:
+        runtime.close()

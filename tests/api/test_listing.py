@@ -87,10 +87,11 @@ def _plans(engine: Engine, caller: Caller, **kwargs: object) -> str:
 def test_indexes_serve_the_listing_order(tmp_path: object) -> None:
     from datetime import datetime, timezone
 
-    from service.db import create_schema, make_engine
+    from service.db import make_engine
+    from service.migrate import upgrade
 
     engine = make_engine(f"sqlite:///{tmp_path}/plan.db")  # type: ignore[str-bytes-safe]
-    create_schema(engine)
+    upgrade(engine)  # the schema production has
     with engine.begin() as conn:
         conn.execute(text("ANALYZE"))
     cursor = (datetime(2030, 1, 1, tzinfo=timezone.utc), "jffff")
