@@ -163,7 +163,7 @@ def enqueue(engine: Any, n: int, *, chunk: int = 5000, offset: int = 0) -> None:
             at = base + timedelta(microseconds=i)
             rows.append({"id": new_job_id(), "name": f"noop-{offset + i}", "owner": "bench", "queue": "default",
                          "priority": (offset + i) % 3, "state": JobState.QUEUED, "spec": SPEC, "attempt": 0,
-                         "cancel_requested": False, "created_at": at, "updated_at": at, "preemptions": 0})  # fmt: skip
+                         "created_at": at, "updated_at": at, "preemptions": 0})  # fmt: skip
         with Session(engine) as session:
             session.execute(insert(Job), rows)
             session.execute(

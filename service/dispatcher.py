@@ -21,11 +21,11 @@ from sqlalchemy import update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from service import queue, queues, retry, scheduler
+from service import leases, queues, retry, scheduler
 from service.db import session_scope
 from service.errors import InfraError, InvalidSpec, StaleWrite
 from service.metrics import DISPATCHER_TICK_SECONDS
-from service.models import Attempt, Checkpoint, ClusterSnapshot, EndReason, Job, JobState, utcnow
+from service.models import Attempt, Checkpoint, ClusterSnapshot, EndReason, EventKind, Job, JobState, utcnow
 from service.ray_jobs import ClusterView, RayJobInfo, RayJobs
 from service.settings import Settings
 from service.spec import JobSpec
@@ -70,14 +70,14 @@ class Dispatcher:
         started = time.monotonic()
         now = utcnow()
         with session_scope(self.engine) as session:
-            queue.heartbeat(session, owner=self.owner, now=now, seconds=self.settings.lease_seconds)
-            queue.take_over(
+            leases.heartbeat(session, owner=self.owner, now=now, seconds=self.settings.lease_seconds)
+            leases.take_over(
                 session, owner=self.owner, now=now, seconds=self.settings.lease_seconds, include_own=not self._started
             )
         self._started = True
         cluster = self._snapshot_cluster()
         with Session(self.engine, expire_on_commit=False) as session:
-            mine = queue.owned(session, owner=self.owner)
+            mine = leases.owned(session, owner=self.owner)
         # Reconciling is mostly waiting (Ray's HTTP API, the database): overlap it across the jobs held.
         list(self._pool.map(self._reconcile_safely, mine))
         if cluster is not None:
@@ -133,8 +133,8 @@ class Dispatcher:
         now = utcnow()
         started: list[Job] = []
         with session_scope(self.engine) as session:
-            queue.lock_admission(session)
-            waiting = queue.queued(session, now=now, limit=self.settings.admit_batch)
+            leases.lock_admission(session)
+            waiting = leases.queued(session, now=now, limit=self.settings.admit_batch)
             if not waiting:
                 return []
             nodes = [scheduler.NodeFree(n.node_id, dict(n.available)) for n in cluster.nodes if n.alive]
@@ -154,7 +154,7 @@ class Dispatcher:
                 job = by_id[job_id]
                 number = job.attempt + 1
                 values: dict[str, Any] = {"attempt": number, "step": None, "latest_metrics": None, "progress_at": None}
-                values.update(queue.lease_values(self.owner, now, self.settings.lease_seconds))
+                values.update(leases.lease_values(self.owner, now, self.settings.lease_seconds))
                 transition(
                     session, job, to=JobState.STARTING, reason="admitted", actor=self.owner, values=values, now=now
                 )
@@ -163,7 +163,7 @@ class Dispatcher:
                 started.append(job)
             for job_id, why in decision.waiting.items():
                 if by_id[job_id].state_reason != why:
-                    queue.set_reason(session, job_id, why)
+                    leases.set_reason(session, job_id, why)
             self._maybe_preempt(session, waiting, decision, cluster, now=now)
         for job in started:
             self.reconcile(job)  # submit at once rather than on the next tick
@@ -204,7 +204,7 @@ class Dispatcher:
             return
         for victim in victims:
             session.execute(update(Job).where(Job.id == victim.id).values(preempt_requested_at=now))
-            record_event(session, victim, kind="preemption", reason="preemption_requested", actor=self.owner,
+            record_event(session, victim.id, kind=EventKind.PREEMPTION, reason="preemption_requested", actor=self.owner, attempt=victim.attempt,
                          message=f"making room for {blocked.id} (priority {blocked.priority})")  # fmt: skip
             self._write_preempt_marker(victim)
 
@@ -325,8 +325,9 @@ class Dispatcher:
             session.add(row)
             record_event(
                 session,
-                job,
-                kind="ray",
+                job.id,
+                attempt=job.attempt,
+                kind=EventKind.RAY,
                 reason="ray_job_adopted" if adopted else "ray_job_submitted",
                 message=attempt.submission_id,
                 actor=self.owner,
@@ -435,7 +436,7 @@ class Dispatcher:
                 row.log_uri = log_uri
                 session.add(row)
             if decision.retry:
-                record_event(session, job, kind="retry", reason="retry_decided", message=decision.why, actor=self.owner)
+                record_event(session, job.id, kind=EventKind.RETRY, reason="retry_decided", message=decision.why, actor=self.owner, attempt=job.attempt)
                 retry_at = now + timedelta(seconds=decision.delay_seconds)
                 values = {"not_before": retry_at, "last_error": message[-4000:], "preempt_requested_at": None}
                 if reason is EndReason.PREEMPTED:

@@ -7,15 +7,14 @@ import json
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import func
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from service.errors import Conflict, InvalidSpec, NotFound, StaleWrite
-from service.models import Attempt, Checkpoint, ClusterSnapshot, Job, JobEvent, JobState, Metric
+from service.models import Attempt, Checkpoint, ClusterSnapshot, EventKind, Job, JobEvent, JobState, Metric
 from service.settings import Settings
 from service.spec import JobSpec
-from service.state import transition
+from service.state import record_event, transition
 
 
 @dataclass(frozen=True)
@@ -120,7 +119,7 @@ def submit(
         state_reason=reason,
     )
     session.add(job)
-    session.add(JobEvent(job_id=job.id, kind="state", to_state=JobState.QUEUED, reason="submitted", attempt=0))
+    record_event(session, job.id, kind=EventKind.STATE, to_state=JobState.QUEUED, reason="submitted", attempt=0)
     try:
         session.flush()
     except IntegrityError:
@@ -195,9 +194,7 @@ def cancel(session: Session, job_id: str, *, caller: Caller) -> Job:
             return job
         try:
             to = JobState.CANCELLED if state is JobState.QUEUED else JobState.CANCELLING
-            values = {"cancel_requested": True}
-            if to is JobState.CANCELLED:
-                values["end_reason"] = "cancelled"
+            values = {"end_reason": "cancelled"} if to is JobState.CANCELLED else {}
             return transition(session, job, to=to, reason="cancel_requested", actor=caller.owner, values=values)
         except StaleWrite:
             continue  # a dispatcher moved it (e.g. QUEUED -> STARTING) between read and write: read again
@@ -216,7 +213,7 @@ def retry(session: Session, job_id: str, *, caller: Caller) -> Job:
         to=JobState.QUEUED,
         reason="retry_requested",
         actor=caller.owner,
-        values={"cancel_requested": False, "end_reason": None, "last_error": None, "not_before": None},
+        values={"end_reason": None, "last_error": None, "not_before": None},
     )
 
 
@@ -260,8 +257,3 @@ def metric_series(session: Session, job: Job, *, name: str | None = None, limit:
     if name:
         query = query.where(Metric.name == name)
     return list(session.exec(query.order_by(col(Metric.id)).limit(limit)).all())
-
-
-def count_by_state(session: Session) -> dict[str, int]:
-    rows = session.exec(select(Job.state, func.count()).group_by(Job.state)).all()
-    return {JobState(s).value: int(n) for s, n in rows}

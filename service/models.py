@@ -33,11 +33,6 @@ class JobState(str, Enum):
     def is_terminal(self) -> bool:
         return self in TERMINAL_STATES
 
-    @property
-    def is_active(self) -> bool:
-        """Admitted to Ray and not yet ended: a dispatcher must hold a lease on it."""
-        return self in ACTIVE_STATES
-
 
 TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 ACTIVE_STATES = frozenset({JobState.STARTING, JobState.RUNNING, JobState.CANCELLING})
@@ -66,6 +61,19 @@ class EndReason(str, Enum):
             EndReason.INFRA,
             EndReason.OUT_OF_MEMORY,
         }
+
+
+class EventKind(str, Enum):
+    """What a `JobEvent` records. `service.state.record_event` (and `transition`, for STATE) are its only writers."""
+
+    STATE = "state"  # a state change (from -> to)
+    RAY = "ray"  # submitted to Ray, or an existing Ray Job adopted
+    LEASE = "lease"  # a dispatcher took over a job whose lease ran out
+    RETRY = "retry"  # the retry policy decided to run another attempt
+    PREEMPTION = "preemption"  # asked to yield to a higher-priority job
+    CHECKPOINT = "checkpoint"  # a checkpoint was reported
+    WARNING = "warning"  # something the user should know that did not end the job
+    HOST = "host"  # a fault of shunter's own host while handling the job (skipped, retried next tick)
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -116,7 +124,6 @@ class Job(SQLModel, table=True):
     state_reason: str | None = Field(default=None, sa_column=Column(Text))
     spec: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
     attempt: int = 0
-    cancel_requested: bool = False
     idempotency_key: str | None = Field(default=None, max_length=255)
     spec_hash: str | None = Field(default=None, max_length=64)
 
@@ -140,6 +147,8 @@ class Job(SQLModel, table=True):
     latest_metrics: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     latest_checkpoint: str | None = Field(default=None, sa_column=Column(Text))
     progress_at: datetime | None = Field(default=None, sa_column=_tz())
+    # Things the user should know that did not stop the job (e.g. a strategy that was asked for and never applied).
+    warnings: list[str] | None = Field(default=None, sa_column=Column(JSON))
 
 
 class Attempt(SQLModel, table=True):
@@ -152,7 +161,6 @@ class Attempt(SQLModel, table=True):
     submission_id: str = Field(max_length=128, unique=True)
     submitted: bool = False  # Ray accepted the submission (or we adopted an existing one)
     ray_status: str | None = Field(default=None, max_length=16)
-    resume_from: str | None = Field(default=None, sa_column=Column(Text))
     started_at: datetime = Field(default_factory=utcnow, sa_column=_tz())
     ended_at: datetime | None = Field(default=None, sa_column=_tz())
     end_reason: EndReason | None = Field(default=None, max_length=32)
@@ -168,7 +176,7 @@ class JobEvent(SQLModel, table=True):
 
     id: int | None = Field(default=None, primary_key=True)
     job_id: str = Field(foreign_key="jobs.id", max_length=32)
-    kind: str = Field(default="state", max_length=32)  # state | submitted | checkpoint | retry | ...
+    kind: str = Field(default=EventKind.STATE.value, max_length=32)  # an EventKind
     from_state: JobState | None = Field(default=None, max_length=16)
     to_state: JobState | None = Field(default=None, max_length=16)
     reason: str = Field(max_length=64)

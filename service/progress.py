@@ -15,7 +15,8 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from service.db import begin_write, make_engine
-from service.models import ACTIVE_STATES, Attempt, Checkpoint, EndReason, Job, JobEvent, Metric, utcnow
+from service.models import ACTIVE_STATES, Attempt, Checkpoint, EndReason, EventKind, Job, Metric, utcnow
+from service.state import record_event
 
 
 @functools.lru_cache(maxsize=4)
@@ -75,10 +76,8 @@ def record_report(
             )  # fmt: skip
             if keep is not None and checkpoint_complete:
                 _mark_pruned(session, job_id=job_id, keep=keep)
-            session.add(
-                JobEvent(job_id=job_id, kind="checkpoint", reason="checkpoint_saved", message=checkpoint_uri,
-                         attempt=attempt, at=now)
-            )  # fmt: skip
+            record_event(session, job_id, kind=EventKind.CHECKPOINT, reason="checkpoint_saved", message=checkpoint_uri,
+                         attempt=attempt, at=now)  # fmt: skip
         session.commit()
     return True
 

@@ -14,7 +14,7 @@ from sqlalchemy import update
 from sqlmodel import Session
 
 from service.errors import IllegalTransition, StaleWrite
-from service.models import EndReason, Job, JobEvent, JobState, utcnow
+from service.models import EndReason, EventKind, Job, JobEvent, JobState, utcnow
 
 S = JobState
 ALLOWED: dict[JobState, frozenset[JobState]] = {
@@ -70,29 +70,35 @@ def transition(
     result = session.execute(stmt.values(**changes).execution_options(synchronize_session=False))
     if result.rowcount != 1:  # type: ignore[attr-defined]
         raise StaleWrite(f"job {job.id} is no longer {frm.value} (or its lease moved on)")
-    session.add(
-        JobEvent(
-            job_id=job.id,
-            kind="state",
-            from_state=frm,
-            to_state=to,
-            reason=reason,
-            message=message,
-            attempt=changes.get("attempt", job.attempt),
-            actor=actor,
-            at=now,
-        )
-    )
+    record_event(
+        session, job.id, kind=EventKind.STATE, reason=reason, message=message, actor=actor, at=now,
+        attempt=changes.get("attempt", job.attempt), from_state=frm, to_state=to,
+    )  # fmt: skip
     for key, value in changes.items():
         setattr(job, key, value)
     return job
 
 
 def record_event(
-    session: Session, job: Job, *, kind: str, reason: str, message: str | None = None, actor: str | None = None
+    session: Session,
+    job_id: str,
+    *,
+    kind: EventKind,
+    reason: str,
+    attempt: int | None,
+    message: str | None = None,
+    actor: str | None = None,
+    at: datetime | None = None,
+    from_state: JobState | None = None,
+    to_state: JobState | None = None,
 ) -> None:
-    """A timeline entry that is not a state change (submitted to Ray, checkpoint saved, retry decided, ...)."""
-    session.add(JobEvent(job_id=job.id, kind=kind, reason=reason, message=message, attempt=job.attempt, actor=actor))
+    """Append one timeline entry; the only code that writes `JobEvent` rows (the caller commits)."""
+    session.add(
+        JobEvent(
+            job_id=job_id, kind=EventKind(kind).value, from_state=from_state, to_state=to_state, reason=reason[:64],
+            message=message, attempt=attempt, actor=actor, at=at or utcnow(),
+        )
+    )  # fmt: skip
 
 
 def end_reason_state(reason: EndReason) -> JobState:

@@ -30,7 +30,7 @@ def enqueue(engine: Engine, n: int) -> None:
     now = utcnow()
     rows = [
         {"id": new_job_id(), "name": f"noop-{i}", "owner": "stress", "queue": "default", "priority": i % 3,
-         "state": JobState.QUEUED, "spec": SPEC, "attempt": 0, "cancel_requested": False, "created_at": now,
+         "state": JobState.QUEUED, "spec": SPEC, "attempt": 0, "created_at": now,
          "updated_at": now, "preemptions": 0}
         for i in range(n)
     ]  # fmt: skip

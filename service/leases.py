@@ -13,7 +13,8 @@ from datetime import datetime, timedelta
 from sqlalchemy import or_, text, update
 from sqlmodel import Session, col, select
 
-from service.models import ACTIVE_STATES, Job, JobEvent, JobState
+from service.models import ACTIVE_STATES, EventKind, Job, JobState
+from service.state import record_event
 
 
 def new_token() -> str:
@@ -89,17 +90,10 @@ def take_over(session: Session, *, owner: str, now: datetime, seconds: float, in
             .values(**values)
         )
         if result.rowcount == 1:  # type: ignore[attr-defined]
-            session.add(
-                JobEvent(
-                    job_id=job.id,
-                    kind="lease",
-                    reason="adopted",
-                    message=f"lease taken over from {previous or 'nobody'}",
-                    attempt=job.attempt,
-                    actor=owner,
-                    at=now,
-                )
-            )
+            record_event(
+                session, job.id, kind=EventKind.LEASE, reason="adopted", attempt=job.attempt, actor=owner, at=now,
+                message=f"lease taken over from {previous or 'nobody'}",
+            )  # fmt: skip
             for key, value in values.items():
                 setattr(job, key, value)
             taken.append(job)
