@@ -1,0 +1,312 @@
+"""`shunter submit`, `status`, `list`, `watch`, ...: clients of the REST API (`api.client`), for any shunter server.
+
+Mounted on the root app by `api.cli`. The helpers every command shares live here once: `_calling` (an API error ends
+the command with the server's message and exit code 1 for 4xx, 2 otherwise), `_print_json` (the `--json` output) and
+the rich progress display of `watch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import httpx
+import typer
+import yaml
+from pydantic import BaseModel
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from api.client import ApiError, Client
+from api.console import console, err
+from api.schemas import EventPublic
+
+app = typer.Typer(help="Talk to a shunter server.", no_args_is_help=True, add_completion=False)
+
+ServerOpt = Annotated[str, typer.Option("--server", "-s", envvar="SHUNTER_URL", help="shunter API base URL")]
+TokenOpt = Annotated[str | None, typer.Option("--token", envvar="SHUNTER_TOKEN", help="API bearer token")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
+DEFAULT_URL = "http://127.0.0.1:8080"
+TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+STATUS_FIELDS = (
+    "id", "name", "state", "state_reason", "attempt", "step", "loss", "latest_checkpoint", "end_reason",
+    "last_error", "created_at", "started_at", "finished_at", "ray_submission_id", "ray_dashboard_url",
+)  # fmt: skip
+
+
+def _client(server: str, token: str | None) -> Client:
+    return Client(server, token=token)
+
+
+@contextlib.contextmanager
+def _calling(server: str, token: str | None) -> Iterator[Client]:
+    """A client whose API errors end the command with the server's message (exit 1 for 4xx, 2 otherwise)."""
+    with _client(server, token) as c:
+        try:
+            yield c
+        except ApiError as exc:
+            _fail(exc)
+        except httpx.HTTPError as exc:
+            _fail(RuntimeError(f"cannot reach the shunter API at {server}: {exc}"))
+
+
+def _fail(exc: Exception) -> NoReturn:
+    err.print(f"[red]error:[/red] {exc}")
+    raise typer.Exit(1 if isinstance(exc, ApiError) and exc.status_code < 500 else 2)
+
+
+def _print_json(data: BaseModel | Sequence[BaseModel]) -> None:
+    """`--json`: one model as its JSON object, a list of them as a JSON array."""
+    if isinstance(data, BaseModel):
+        console.print_json(data.model_dump_json())
+    else:
+        console.print_json(json.dumps([r.model_dump(mode="json") for r in data]))
+
+
+def _load_spec(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        err.print(f"[red]cannot read {path}:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    if not isinstance(data, dict):
+        err.print(f"[red]{path} is not a job spec (a mapping)[/red]")
+        raise typer.Exit(2)
+    return data
+
+
+@app.command()
+def submit(
+    file: Annotated[Path, typer.Argument(help="job spec, YAML or JSON")],
+    server: ServerOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    idempotency_key: Annotated[str | None, typer.Option("--idempotency-key")] = None,
+    watch_it: Annotated[bool, typer.Option("--watch", "-w", help="then watch it to the end")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Queue a job; prints its id."""
+    with _client(server, token) as c:
+        try:
+            job = c.submit(_load_spec(file), idempotency_key=idempotency_key)
+        except ApiError as exc:
+            if exc.body.get("errors"):
+                for e in exc.body["errors"]:
+                    err.print(f"[red]{e['field']}[/red]: {e['message']}")
+            _fail(exc)
+            return
+    if as_json:
+        _print_json(job)
+    else:
+        console.print(f"submitted [bold]{job.id}[/bold] ({job.name}) state={job.state}")
+    if watch_it:
+        watch(job.id, server=server, token=token)
+
+
+@app.command()
+def status(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
+    """One job: state, attempt, step, loss, checkpoint, error."""
+    with _calling(server, token) as c:
+        job = c.get(job_id)
+    if as_json:
+        _print_json(job)
+        return
+    table = Table(show_header=False, box=None)
+    table.add_column(no_wrap=True)
+    table.add_column(overflow="fold")  # paths and URLs are for copying: fold them, never cut them
+    for key in STATUS_FIELDS:
+        value = getattr(job, key)
+        if value is not None:
+            table.add_row(f"[bold]{key}[/bold]", str(value))
+    console.print(table)
+
+
+@app.command("list")
+def list_cmd(
+    state: Annotated[str | None, typer.Option(help="only jobs in this state")] = None,
+    limit: Annotated[int, typer.Option()] = 50,
+    server: ServerOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Jobs, newest first."""
+    with _calling(server, token) as c:
+        page = c.list(state=state.upper() if state else None, limit=limit)
+    if as_json:
+        _print_json(page)
+        return
+    table = Table("id", "name", "state", "attempt", "step", "loss", "created")
+    table.columns[0].no_wrap = True  # ids are for copying: never fold them
+    for job in page.items:
+        loss = f"{job.loss:.4f}" if job.loss is not None else ""
+        table.add_row(job.id, job.name, job.state, str(job.attempt), str(job.step or ""), loss,
+                      job.created_at.strftime("%Y-%m-%d %H:%M:%S"))  # fmt: skip
+    console.print(table)
+
+
+@app.command()
+def cancel(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
+    """Cancel a job (its Ray Job is stopped)."""
+    with _calling(server, token) as c:
+        body = c.cancel(job_id)
+    console.print(f"{job_id}: {body['detail']} (state {body['state']})")
+
+
+@app.command()
+def retry(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
+    """Queue a FAILED or CANCELLED job again, resuming from its last good checkpoint."""
+    with _calling(server, token) as c:
+        body = c.retry(job_id)
+    console.print(f"{job_id}: {body['detail']} (state {body['state']})")
+
+
+@app.command()
+def logs(
+    job_id: str,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="stream until the job ends")] = False,
+    attempt: Annotated[int | None, typer.Option(help="which attempt (default: the latest)")] = None,
+    server: ServerOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+) -> None:
+    """The job's driver and worker output."""
+    with _calling(server, token) as c:
+        if follow:
+            for chunk in c.follow_logs(job_id, attempt=attempt):
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+        else:
+            sys.stdout.write(c.logs(job_id, attempt=attempt))
+
+
+def _event_row(table: Table, e: EventPublic) -> None:
+    change = f"{e.from_state or ''} → {e.to_state}" if e.to_state else ""
+    table.add_row(e.at.strftime("%H:%M:%S.%f")[:-3], e.kind, change, e.reason, (e.message or "")[:80])
+
+
+@app.command()
+def events(
+    job_id: Annotated[str | None, typer.Argument(help="a job id; without it, every job you may see")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="stream as they happen (SSE)")] = False,
+    server: ServerOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The timeline: every state change, Ray submission, checkpoint and retry decision, with time and reason.
+
+    With --follow a job's stream ends after its terminal event; with --json, one JSON object per line.
+    """
+    with _calling(server, token) as c:
+        if follow:
+            for e in c.stream_events(job_id):
+                if as_json:
+                    print(e.model_dump_json(), flush=True)
+                else:
+                    change = f" {e.from_state or '·'} → {e.to_state}" if e.to_state else ""
+                    job = "" if job_id else f"{e.job_id} "
+                    console.print(f"{e.at:%H:%M:%S} {job}{e.kind}{change} ({e.reason}) {e.message or ''}")
+            return
+        rows = c.events(job_id) if job_id else c.all_events(limit=1000)
+    if as_json:
+        _print_json(rows)
+        return
+    table = Table("time", "kind", "change", "reason", "message")
+    for e in rows:
+        _event_row(table, e)
+    console.print(table)
+
+
+@app.command()
+def metrics(
+    job_id: str,
+    name: Annotated[str | None, typer.Option("--name", "-n", help="one metric, e.g. loss")] = None,
+    server: ServerOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Reported metrics of a job (every ray.train.report value), by step."""
+    with _calling(server, token) as c:
+        points = c.metrics(job_id, name=name)
+    if as_json:
+        _print_json(points)
+        return
+    names = sorted({p.name for p in points})
+    by_step: dict[tuple[int, int | None], dict[str, float]] = {}
+    for p in points:
+        by_step.setdefault((p.attempt, p.step), {})[p.name] = p.value
+    table = Table("attempt", "step", *names)
+    for (number, step), values in by_step.items():
+        table.add_row(str(number), str(step if step is not None else ""), *(_num(values.get(n)) for n in names))
+    console.print(table)
+
+
+def _num(value: float | None) -> str:
+    return "" if value is None else f"{value:.6g}"
+
+
+@app.command()
+def checkpoints(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
+    """A job's checkpoints: attempt, step, metrics, where it lies, complete / pruned."""
+    with _calling(server, token) as c:
+        rows = c.checkpoints(job_id)
+    if as_json:
+        _print_json(rows)
+        return
+    table = Table("id", "attempt", "step", "loss", "state", "created", "uri")
+    table.columns[-1].overflow = "fold"  # paths are for copying: fold them, never cut them
+    for k in rows:
+        state = "pruned" if k.pruned else ("complete" if k.complete else "incomplete")
+        loss = _num((k.metrics or {}).get("loss"))
+        table.add_row(str(k.id), str(k.attempt), str(k.step or ""), loss, state, f"{k.created_at:%H:%M:%S}", k.uri)
+    console.print(table)
+
+
+@app.command()
+def cluster(server: ServerOpt = DEFAULT_URL, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
+    """The Ray cluster as the dispatcher last saw it: nodes, free resources, dashboard, running jobs."""
+    with _calling(server, token) as c:
+        view = c.cluster()
+    if as_json:
+        _print_json(view)
+        return
+    console.print(f"dashboard: {view.dashboard_url or '?'}   seen: {view.taken_at or 'never'}")
+    table = Table("node", "address", "alive", "CPU free/total", "GPU free/total")
+    for n in view.nodes:
+        cells = [f"{n.available.get(k, 0):g}/{n.total.get(k, 0):g}" for k in ("CPU", "GPU")]
+        table.add_row(n.node_id[:12], n.address or "", "yes" if n.alive else "no", *cells)
+    console.print(table)
+    for j in view.jobs:
+        console.print(f"{j.id} {j.name} {j.state} attempt {j.attempt} {j.resources} {j.ray_dashboard_url or ''}")
+
+
+@app.command()
+def watch(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
+    """Follow a job to its end with a progress bar (step / total, loss, ETA) and its state changes."""
+    with _calling(server, token) as c:
+        job = c.get(job_id)
+        total = job.spec.get("config", {}).get("total_steps") or job.spec.get("config", {}).get("steps")
+        seen_events = 0
+        columns = [TextColumn("[bold]{task.fields[state]}"), BarColumn(), TextColumn("step {task.completed:.0f}"),
+                   TextColumn("{task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn()]  # fmt: skip
+        with Progress(*columns, console=console) as progress:
+            task = progress.add_task(job.name, total=total, state=job.state, loss="")
+            while True:
+                job = c.get(job_id)
+                for e in c.events(job_id, after=seen_events):
+                    seen_events = e.id
+                    if e.to_state:
+                        progress.console.print(f"{e.at:%H:%M:%S} {e.from_state or '·'} → {e.to_state} ({e.reason})")
+                loss = f"loss {job.loss:.4f}" if job.loss is not None else ""
+                progress.update(task, completed=job.step or 0, state=job.state, loss=loss)
+                if job.state in TERMINAL:
+                    break
+                time.sleep(0.5)
+    style = "green" if job.state == "SUCCEEDED" else "red"
+    console.print(f"[{style}]{job.id} {job.state}[/{style}]" + (f": {job.last_error}" if job.last_error else ""))
+    if job.latest_checkpoint:
+        console.print(f"latest checkpoint: {job.latest_checkpoint}")
+    if job.state != "SUCCEEDED":
+        raise typer.Exit(1)

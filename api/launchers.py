@@ -1,0 +1,121 @@
+"""`shunter serve`, `api`, `dispatcher`, `db ...`: the commands that start a long-running process or open the database.
+
+Mounted on the root app by `api.cli`; `service` is imported inside each command so the client commands stay light.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from api.console import console, err
+
+if TYPE_CHECKING:
+    from service.settings import Settings
+
+app = typer.Typer(help="Run the service.", no_args_is_help=True, add_completion=False)
+db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="bind address (default SHUNTER_HOST)")] = None,
+    port: Annotated[int | None, typer.Option(help="port (default SHUNTER_PORT)")] = None,
+    insecure: Annotated[bool, typer.Option(help="allow a non-loopback bind without API tokens")] = False,
+) -> None:
+    """Everything on one machine: API + dispatcher + a local Ray head (unless SHUNTER_RAY_ADDRESS) + the database."""
+    import uvicorn
+
+    from api.app import create_app
+
+    settings = _http_settings(host, port, insecure)
+    application = create_app(
+        settings,
+        run_dispatcher=True,
+        manage_local_ray=True,
+        dispatcher_id=settings.resolved_dispatcher_id(stable=True),
+    )
+    uvicorn.run(application, host=settings.host, port=settings.port, log_level="info")
+
+
+@app.command("api")
+def api_server(
+    host: Annotated[str | None, typer.Option()] = None,
+    port: Annotated[int | None, typer.Option()] = None,
+    insecure: Annotated[bool, typer.Option(help="allow a non-loopback bind without API tokens")] = False,
+) -> None:
+    """The HTTP API alone (run any number), against SHUNTER_DATABASE_URL and SHUNTER_RAY_ADDRESS."""
+    import uvicorn
+
+    from api.app import create_app
+
+    settings = _http_settings(host, port, insecure)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+
+
+@app.command()
+def dispatcher() -> None:
+    """A dispatcher loop alone (run any number against one database)."""
+    from service.runtime import run_dispatcher_process
+
+    _logging()
+    run_dispatcher_process()
+
+
+def _http_settings(host: str | None, port: int | None, insecure: bool) -> Settings:
+    """The settings with the command line's bind address, refusing an open bind without tokens."""
+    from service.settings import get_settings
+
+    _logging()
+    settings = get_settings()
+    settings = settings.model_copy(update={"host": host or settings.host, "port": port or settings.port})
+    _refuse_open_bind(settings.host, bool(settings.api_tokens), insecure)
+    return settings
+
+
+def _refuse_open_bind(host: str, has_tokens: bool, insecure: bool) -> None:
+    if not _is_loopback(host) and not has_tokens and not insecure:
+        err.print(
+            f"[red]refusing to bind {host} without API tokens[/red]: set SHUNTER_API_TOKENS, "
+            "bind 127.0.0.1, or pass --insecure"
+        )
+        raise typer.Exit(2)
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument(help="target revision")] = "head") -> None:
+    """Migrate SHUNTER_DATABASE_URL to the newest schema (safe to run from several processes at once)."""
+    from service.db import make_engine
+    from service.migrate import current, upgrade
+    from service.settings import get_settings
+
+    engine = make_engine(get_settings().database_url)
+    upgrade(engine, revision)
+    console.print(f"database at revision {current(engine)}")
+
+
+@db_app.command("current")
+def db_current() -> None:
+    """The schema revision the database is at."""
+    from service.db import make_engine
+    from service.migrate import current
+    from service.settings import get_settings
+
+    console.print(current(make_engine(get_settings().database_url)) or "empty (no shunter schema yet)")
