@@ -7,17 +7,22 @@ torch and of the database.
 
 from __future__ import annotations
 
+import math
 import re
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from service.strategy import StrategySpec
+from service import resources
+from service.strategy import StrategySpec, check_finite
 
-_CALLABLE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+# Matched with fullmatch: `$` would also accept a trailing newline.
+_CALLABLE = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_MEMORY = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE | re.ASCII)
+# A checkpoint id: a positive integer that fits a 64-bit database column (ASCII digits only; "²".isdigit() is true).
+_CHECKPOINT_ID = re.compile(r"[1-9][0-9]{0,17}")
 _MEMORY_UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024,
@@ -35,20 +40,26 @@ RUNTIME_ENV_KEYS = frozenset(
 class StrictModel(BaseModel):
     """Unknown fields are errors: a misspelt option must not be silently ignored."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    # NaN and infinity are not JSON: a spec holding one would not come back the same from the database.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
 
 def parse_memory(value: str | int | float) -> int:
     """'64GiB' -> bytes. Plain numbers are bytes, as Ray counts memory."""
     if isinstance(value, int | float):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"memory must be a finite number of bytes, got {value!r}")
         if value < 0:
             raise ValueError("memory must not be negative")
         return int(value)
-    match = _MEMORY.match(value)
+    match = _MEMORY.fullmatch(value)
     if not match:
         raise ValueError(f"cannot read memory size {value!r}; use e.g. 512MiB, 64GiB or a number of bytes")
     number, unit = match.groups()
-    return int(float(number) * _MEMORY_UNITS[(unit or "").lower()])
+    size = float(number) * _MEMORY_UNITS[(unit or "").lower()]
+    if not math.isfinite(size):
+        raise ValueError(f"memory size {value!r} is too large")
+    return int(size)
 
 
 class Entrypoint(StrictModel):
@@ -62,7 +73,7 @@ class Entrypoint(StrictModel):
     @field_validator("callable")
     @classmethod
     def _callable_form(cls, value: str | None) -> str | None:
-        if value is not None and not _CALLABLE.match(value):
+        if value is not None and not _CALLABLE.fullmatch(value):
             raise ValueError(f"must be 'module:function' (e.g. examples.mlp:train_loop), got {value!r}")
         return value
 
@@ -133,7 +144,7 @@ class Resources(StrictModel):
         return {k: v for k, v in out.items() if v > 0}
 
     def total(self) -> dict[str, float]:
-        return {k: v * self.num_workers for k, v in self.per_worker().items()}
+        return resources.scaled(self.per_worker(), self.num_workers)
 
 
 class Retries(StrictModel):
@@ -152,9 +163,17 @@ class CheckpointSpec(StrictModel):
     @field_validator("resume_from")
     @classmethod
     def _resume_form(cls, value: str) -> str:
-        if value not in ("latest", "none") and not value.isdigit():
-            raise ValueError(f"must be 'latest', 'none' or a checkpoint id (a number), got {value!r}")
+        if value not in ("latest", "none") and not _CHECKPOINT_ID.fullmatch(value):
+            raise ValueError(
+                f"must be 'latest', 'none' or a checkpoint id (a positive number of at most 18 digits, no leading "
+                f"zeros), got {value!r}"
+            )
         return value
+
+    @property
+    def checkpoint_id(self) -> int | None:
+        """The checkpoint `resume_from` names by id; None for latest / none."""
+        return int(self.resume_from) if _CHECKPOINT_ID.fullmatch(self.resume_from) else None
 
 
 class JobSpec(StrictModel):
@@ -175,8 +194,14 @@ class JobSpec(StrictModel):
     @field_validator("name")
     @classmethod
     def _name_form(cls, value: str) -> str:
-        if not _NAME.match(value):
+        if not _NAME.fullmatch(value):
             raise ValueError("use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        return value
+
+    @field_validator("config", "runtime_env")
+    @classmethod
+    def _finite(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        check_finite(value, str(info.field_name))
         return value
 
     @field_validator("runtime_env")

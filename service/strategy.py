@@ -7,16 +7,32 @@ config whose batch sizes contradict the spec, fp16 on CPU) is refused here with 
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 AUTO = "auto"
+DEFAULT_ZERO_STAGE = 2
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    # NaN and infinity are not JSON: they would not survive the spec's trip through the database and the driver.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
+
+
+def check_finite(value: Any, where: str) -> None:
+    """Refuse NaN and infinity anywhere in a JSON-like value (JSON has neither; PostgreSQL refuses them)."""
+    stack = [(value, where)]  # a loop, not recursion: a deeply nested body must be a 422, not a RecursionError
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(f"{path}: {item!r} is not a JSON number; give a finite value")
+        if isinstance(item, dict):
+            stack.extend((v, f"{path}.{k}") for k, v in item.items())
+        elif isinstance(item, list | tuple):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
 
 
 class StrategyKind(str, Enum):
@@ -45,26 +61,54 @@ class FSDPOptions(_Strict):
 
 
 class DeepSpeedOptions(_Strict):
-    zero_stage: int = Field(2, ge=0, le=3)
-    offload_optimizer: Literal["cpu", "none"] = "none"
-    offload_param: Literal["cpu", "none"] = "none"
-    overlap_comm: bool = False
+    """The short form (the stored fields; None = not given) or a full `config`, never both.
+
+    "Not given" is None in the model, never a filled-in default, so a full dump of the spec validates again as the
+    same spec: the defaults (ZeRO stage 2, no offload, no overlap) are applied by the `resolved_*` properties.
+    """
+
+    zero_stage: int | None = Field(None, ge=0, le=3, description="ZeRO stage 0-3 (default 2)")
+    offload_optimizer: Literal["cpu", "none"] | None = Field(None, description="cpu | none (default none)")
+    offload_param: Literal["cpu", "none"] | None = Field(None, description="cpu | none (default none); needs stage 3")
+    overlap_comm: bool | None = Field(None, description="default false")
     reduce_bucket_size: int | None = Field(None, gt=0)
     allgather_bucket_size: int | None = Field(None, gt=0)
     config: dict[str, Any] | None = Field(None, description="a full DeepSpeed JSON config, used as is")
 
+    @field_validator("config")
+    @classmethod
+    def _finite(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        check_finite(value, "strategy.deepspeed.config")
+        return value
+
+    @property
+    def resolved_zero_stage(self) -> int:
+        return DEFAULT_ZERO_STAGE if self.zero_stage is None else self.zero_stage
+
+    @property
+    def resolved_offload_optimizer(self) -> Literal["cpu", "none"]:
+        return self.offload_optimizer or "none"
+
+    @property
+    def resolved_offload_param(self) -> Literal["cpu", "none"]:
+        return self.offload_param or "none"
+
+    @property
+    def resolved_overlap_comm(self) -> bool:
+        return bool(self.overlap_comm)
+
     @model_validator(mode="after")
     def _coherent(self) -> DeepSpeedOptions:
         if self.config is not None:
-            short = sorted(self.model_fields_set - {"config"})
+            short = sorted(k for k in type(self).model_fields if k != "config" and getattr(self, k) is not None)
             if short:
                 raise ValueError(
                     f"give either config (a full DeepSpeed config) or the short form, not both (also set: {short})"
                 )
             return self
-        if self.offload_param == "cpu" and self.zero_stage != 3:
-            raise ValueError(f"offload_param: cpu needs zero_stage: 3 (got {self.zero_stage})")
-        if self.offload_optimizer == "cpu" and self.zero_stage == 0:
+        if self.resolved_offload_param == "cpu" and self.resolved_zero_stage != 3:
+            raise ValueError(f"offload_param: cpu needs zero_stage: 3 (got {self.resolved_zero_stage})")
+        if self.resolved_offload_optimizer == "cpu" and self.resolved_zero_stage == 0:
             raise ValueError("offload_optimizer: cpu needs zero_stage 1, 2 or 3 (got 0)")
         return self
 
@@ -74,7 +118,8 @@ def _count(config: dict[str, Any], key: str) -> int | None:
     value = config.get(key)
     if value is None or value == AUTO:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value < 1:
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())  # not NaN or infinity
+    if isinstance(value, bool) or not whole or value < 1:
         raise ValueError(f'strategy.deepspeed.config.{key}: must be a positive integer or "auto", got {value!r}')
     return int(value)
 
@@ -84,7 +129,9 @@ class StrategySpec(_Strict):
     mixed_precision: MixedPrecision = MixedPrecision.no
     fsdp: FSDPOptions | None = None
     deepspeed: DeepSpeedOptions | None = None
-    gradient_accumulation_steps: int = Field(1, ge=1, le=4096)
+    gradient_accumulation_steps: int | None = Field(
+        None, ge=1, le=4096, description="micro-batches per optimizer step (default 1)"
+    )
     gradient_clipping: float | None = Field(None, gt=0)
     micro_batch_size: int | None = Field(None, ge=1, description="samples per worker per step")
     scale_lr: Literal["none", "linear"] = "none"
@@ -100,6 +147,11 @@ class StrategySpec(_Strict):
         if self.scale_lr == "linear" and self.base_batch_size is None:
             raise ValueError("scale_lr: linear needs base_batch_size")
         return self
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Gradient accumulation steps, 1 when not given (a full DeepSpeed config may give its own)."""
+        return self.gradient_accumulation_steps or 1
 
     @property
     def fsdp_options(self) -> FSDPOptions:
@@ -153,14 +205,14 @@ class StrategySpec(_Strict):
                 f"{where}.train_micro_batch_size_per_gpu: {micro} contradicts strategy.micro_batch_size "
                 f'({self.micro_batch_size}); set one of them, or "auto"'
             )
-        spec_accum = "gradient_accumulation_steps" in self.model_fields_set
-        if accum is not None and spec_accum and accum != self.gradient_accumulation_steps:
+        spec_accum = self.gradient_accumulation_steps
+        if accum is not None and spec_accum is not None and accum != spec_accum:
             raise ValueError(
                 f"{where}.gradient_accumulation_steps: {accum} contradicts strategy.gradient_accumulation_steps "
                 f'({self.gradient_accumulation_steps}); set one of them, or "auto"'
             )
         micro = micro if micro is not None else self.micro_batch_size
-        accum = accum if accum is not None else self.gradient_accumulation_steps
+        accum = accum if accum is not None else self.accumulation_steps
         if total is not None and micro is not None and total != micro * accum * num_workers:
             raise ValueError(
                 f"{where}.train_batch_size: {total} != micro batch {micro} x gradient accumulation {accum} x "

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 from sqlalchemy.engine import Engine
-from sqlmodel import SQLModel
+from sqlmodel import Session, SQLModel
 
 from service.db import make_engine
 from service.migrate import current, upgrade
+from service.models import Job
+from service.spec import JobSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPRESSION_INDEX = "ix_jobs_admission_order"
@@ -37,3 +40,29 @@ def test_db_upgrade_command(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "database at revision" in out.stdout
     assert current(make_engine(url)) is not None
+
+
+def test_specs_stored_by_the_previous_release_read_back_after_upgrade(tmp_path: Path) -> None:
+    """The previous release wrote every default out, the DeepSpeed short form next to a full config included: such a
+    row failed validation when the dispatcher read it back (issue 11). The upgrade rewrites it to the spec sent."""
+    engine = make_engine(f"sqlite:///{tmp_path / 'old.db'}")
+    upgrade(engine, "075fa942e034")
+    sent = {"entrypoint": {"callable": "examples.gpt2_tiny:train_loop"}, "resources": {"num_workers": 2},
+            "strategy": {"kind": "deepspeed", "deepspeed": {"config": {"gradient_accumulation_steps": 4,
+                                                                      "zero_optimization": {"stage": 3}}}}}  # fmt: skip
+    old_dump = JobSpec.model_validate(sent).model_dump(mode="json")
+    old_dump["strategy"]["gradient_accumulation_steps"] = 1  # as the previous release's model filled them in
+    old_dump["strategy"]["deepspeed"].update(zero_stage=2, offload_optimizer="none", offload_param="none",
+                                             overlap_comm=False)  # fmt: skip
+    with engine.begin() as conn:
+        conn.execute(
+            text("INSERT INTO jobs (id, name, owner, queue, priority, state, spec, attempt, cancel_requested, "
+                 "created_at, updated_at, preemptions) VALUES ('j1', 'job', 'a', 'default', 0, 'QUEUED', :spec, 0, 0, "
+                 "'2026-11-01 00:00:00', '2026-11-01 00:00:00', 0)"),
+            {"spec": json.dumps(old_dump)},
+        )  # fmt: skip
+    upgrade(engine)
+    with Session(engine) as session:
+        row = session.get(Job, "j1")
+        assert row is not None
+        assert JobSpec.model_validate(row.spec) == JobSpec.model_validate(sent)

@@ -51,5 +51,5 @@ def prepare_ddp(
         scheduler=scheduler(opt) if scheduler is not None else None,
         scaler=scaler,
         autocast_dtype=low_precision_dtype(precision) if here.type == "cuda" else None,
-        gradient_accumulation_steps=strategy.gradient_accumulation_steps,
+        gradient_accumulation_steps=strategy.accumulation_steps,
     )

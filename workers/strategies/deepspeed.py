@@ -45,17 +45,18 @@ def build_config(
             options.config, strategy=strategy, world_size=world_size, micro_batch_size=micro, precision=precision,
             hidden_size=hidden_size, optimizer_defaults=optimizer_defaults or {},
         )  # fmt: skip
-    accumulation = strategy.gradient_accumulation_steps
-    zero: dict[str, Any] = {"stage": options.zero_stage, "overlap_comm": options.overlap_comm}
-    if options.zero_stage >= 2:
+    accumulation = strategy.accumulation_steps
+    stage = options.resolved_zero_stage
+    zero: dict[str, Any] = {"stage": stage, "overlap_comm": options.resolved_overlap_comm}
+    if stage >= 2:
         zero["contiguous_gradients"] = True
     if options.reduce_bucket_size:
         zero["reduce_bucket_size"] = options.reduce_bucket_size
     if options.allgather_bucket_size:
         zero["allgather_bucket_size"] = options.allgather_bucket_size
-    if options.offload_optimizer == "cpu":
+    if options.resolved_offload_optimizer == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": use_gpu}
-    if options.offload_param == "cpu":
+    if options.resolved_offload_param == "cpu":
         zero["offload_param"] = {"device": "cpu", "pin_memory": use_gpu}
     return {
         "train_micro_batch_size_per_gpu": micro,
@@ -85,7 +86,7 @@ def resolve_auto(
     """Fill the HF-style "auto" values of a full DeepSpeed config from the spec, the model and the optimizer."""
     out = copy.deepcopy(config)
     accumulation = out.get("gradient_accumulation_steps")
-    accumulation = strategy.gradient_accumulation_steps if accumulation in (None, AUTO) else int(accumulation)
+    accumulation = strategy.accumulation_steps if accumulation in (None, AUTO) else int(accumulation)
     micro = out.get("train_micro_batch_size_per_gpu")
     micro = micro_batch_size if micro in (None, AUTO) else int(micro)
     out["gradient_accumulation_steps"] = accumulation

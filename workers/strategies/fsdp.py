@@ -118,5 +118,5 @@ def prepare_fsdp(
         data_loader=data_loader,
         scheduler=scheduler(opt) if scheduler is not None else None,
         scaler=scaler,
-        gradient_accumulation_steps=strategy.gradient_accumulation_steps,
+        gradient_accumulation_steps=strategy.accumulation_steps,
     )
