@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 
 class _Out(BaseModel):
@@ -34,7 +34,14 @@ class JobPublic(_Out):
     progress_at: datetime | None = None
     ray_submission_id: str | None = None
     ray_dashboard_url: str | None = None
+    # What the user should know that did not stop the job, e.g. a strategy asked for that the train loop never applied.
+    warnings: list[str] = []
     spec: dict[str, Any]
+
+    @field_validator("warnings", mode="before")
+    @classmethod
+    def _no_warnings(cls, value: Any) -> Any:
+        return [] if value is None else value
 
 
 class JobList(BaseModel):

@@ -15,7 +15,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from service.db import begin_write, make_engine
-from service.models import ACTIVE_STATES, Attempt, Checkpoint, EndReason, EventKind, Job, Metric, utcnow
+from service.models import ACTIVE_STATES, Attempt, Checkpoint, EndReason, EventKind, Job, JobEvent, Metric, utcnow
 from service.state import record_event
 
 
@@ -92,6 +92,48 @@ def _mark_pruned(session: Session, *, job_id: str, keep: int) -> None:
     for row in live[keep:]:
         row.pruned = True
         session.add(row)
+
+
+def record_warning(engine: Engine, *, job_id: str, attempt: int, code: str, message: str) -> bool:
+    """Tell the user something that did not stop the job: a WARNING event (`code` as its reason) and `message` in
+    `Job.warnings`. Fenced by attempt like `record_report`; once per attempt and code (the callback and the driver
+    may both notice the same thing), and a message already listed from an earlier attempt is not listed twice.
+    False when fenced off or already recorded."""
+    with Session(engine) as session:
+        begin_write(session)
+        job = session.exec(
+            select(Job)
+            .where(Job.id == job_id, Job.attempt == attempt, Job.state.in_(ACTIVE_STATES))  # type: ignore[attr-defined]
+            .with_for_update()
+        ).first()
+        if job is None:
+            return False
+        seen = session.exec(
+            select(JobEvent.id).where(
+                JobEvent.job_id == job_id,
+                JobEvent.kind == EventKind.WARNING.value,
+                JobEvent.reason == code[:64],
+                JobEvent.attempt == attempt,
+            )
+        ).first()
+        if seen is not None:
+            return False
+        if message not in (job.warnings or []):
+            job.warnings = [*(job.warnings or []), message]
+            session.add(job)
+        record_event(session, job_id, kind=EventKind.WARNING, reason=code, message=message, attempt=attempt)
+        session.commit()
+    return True
+
+
+def attempt_reported(engine: Engine, *, job_id: str, attempt: int) -> bool:
+    """Whether any report of this attempt left a trace: a metric point or a checkpoint row."""
+    with Session(engine) as session:
+        for table in (Metric, Checkpoint):
+            query = select(table.id).where(table.job_id == job_id, table.attempt == attempt).limit(1)
+            if session.exec(query).first() is not None:
+                return True
+    return False
 
 
 def record_attempt_end(engine: Engine, *, job_id: str, attempt: int, reason: EndReason, message: str) -> None:

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from pyarrow import fs as pafs
 
 ENV_S3_ENDPOINT = "SHUNTER_S3_ENDPOINT_URL"
+PREEMPT_MARKER = "shunter-preempt"
 
 
 def s3_filesystem() -> pafs.S3FileSystem:
@@ -73,3 +74,13 @@ def uri_of(path: str, filesystem: Any) -> str:
     if kind == "gcs":
         return f"gs://{path.lstrip('/')}"
     return f"{kind}://{path.lstrip('/')}"
+
+
+def preemption_marker(storage_uri: str, job_id: str) -> tuple[str, pafs.FileSystem | None]:
+    """(path, pyarrow filesystem or None for a local path) of the notice asking job `job_id` to yield.
+
+    The dispatcher writes it beside the job's checkpoints under `storage_uri` (the job's checkpoint storage); the
+    job's workers look for it at every report (`workers.preemption`), checkpoint at once and let the job be requeued.
+    """
+    root, filesystem = filesystem_for(storage_uri)
+    return f"{root.rstrip('/')}/{job_id}/{PREEMPT_MARKER}", filesystem

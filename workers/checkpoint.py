@@ -2,13 +2,13 @@
 
 Every rank writes what it owns into its own local folder (DDP: rank 0 the unwrapped state; FSDP2: each rank its
 DCP shard; DeepSpeed: `engine.save_checkpoint`), and Ray Train merges all folders into one checkpoint. Rank 0
-writes `shunter-manifest.json` last, listing every rank's files with size and sha256: a checkpoint without a valid
-manifest is incomplete (a crash mid-save, a partial upload) and `load` refuses it.
+writes `shunter-manifest.json` last, listing every rank's files with size and sha256 (`workers.manifest`: its format
+and the completeness rule). `load` refuses a checkpoint that rule calls incomplete (a crash mid-save, a partial
+upload), and one without shunter's state file, which user code wrote and which holds nothing `load` can restore.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -16,42 +16,33 @@ import pickle
 import random
 import shutil
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from service.strategy import StrategyKind
-from workers.strategies.common import Prepared, world
+from workers import manifest
+from workers.context import STRATEGY_METRIC
+from workers.manifest import MANIFEST, STATE
+from workers.ranks import world
+
+if TYPE_CHECKING:
+    from workers.strategies.common import Prepared
 
 log = logging.getLogger(__name__)
-MANIFEST = "shunter-manifest.json"
-STATE = "shunter-state.json"
 DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "shunter"
 DCP_DIR = "dcp"
 ENV_RESUME_FROM = "SHUNTER_RESUME_FROM"  # a checkpoint path/URI a new run starts from
 
 
 class IncompleteCheckpointError(RuntimeError):
-    """The checkpoint has no manifest, or its files do not match it."""
+    """`load` refuses the checkpoint: incomplete by `workers.manifest.check`, or not written by shunter's helpers."""
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _files(directory: Path) -> dict[str, dict[str, Any]]:
-    return {
-        str(path.relative_to(directory)): {"size": path.stat().st_size, "sha256": _sha256(path)}
-        for path in sorted(directory.rglob("*"))
-        if path.is_file() and path.name != MANIFEST
-    }
+class NotShunterCheckpointError(IncompleteCheckpointError):
+    """Complete as Ray Train reported it, but written by user code: it has no shunter state for `load` to restore."""
 
 
 def _gather(value: Any) -> list[Any]:
@@ -122,7 +113,7 @@ def save(prepared: Prepared, directory: str | Path) -> Path:
     if rank == 0:
         (directory / STATE).write_text(json.dumps(state, indent=1))
     # The manifest comes last and covers every rank's files: only a fully written checkpoint gets one.
-    listings = _gather(_files(directory))
+    listings = _gather(manifest.listing(directory))
     if rank == 0:
         files: dict[str, dict[str, Any]] = {}
         for listing in listings:
@@ -130,31 +121,24 @@ def save(prepared: Prepared, directory: str | Path) -> Path:
                 if name in files and files[name]["sha256"] != entry["sha256"]:
                     raise RuntimeError(f"checkpoint file {name} written differently by two ranks")
                 files[name] = entry
-        manifest = {"format": 1, "step": prepared.step, "epoch": prepared.epoch, "time": time.time(), "files": files}
-        tmp = directory / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest, indent=1))
-        os.replace(tmp, directory / MANIFEST)
+        manifest.write(directory, files, step=prepared.step, epoch=prepared.epoch)
     return directory
 
 
 def verify(directory: str | Path) -> dict[str, Any]:
-    """The manifest of a complete checkpoint; raises IncompleteCheckpointError otherwise."""
-    directory = Path(directory)
-    path = directory / MANIFEST
-    if not path.is_file():
-        raise IncompleteCheckpointError(f"{directory}: no {MANIFEST}; the checkpoint was not completely written")
-    try:
-        manifest = json.loads(path.read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError) as exc:
-        raise IncompleteCheckpointError(f"{path}: unreadable manifest ({exc})") from exc
-    for name, entry in files.items():
-        target = directory / name
-        if not target.is_file() or target.stat().st_size != entry["size"]:
-            raise IncompleteCheckpointError(f"{directory}: {name} is missing or has the wrong size")
-        if _sha256(target) != entry["sha256"]:
-            raise IncompleteCheckpointError(f"{directory}: {name} does not match its sha256")
-    return manifest
+    """The manifest of a complete checkpoint written by shunter's helpers, every file's sha256 checked.
+
+    Raises IncompleteCheckpointError when `workers.manifest.check` finds it incomplete, and NotShunterCheckpointError
+    for a checkpoint user code wrote (no state file, no manifest): complete, but nothing `load` can restore.
+    """
+    verdict = manifest.check(str(directory), checksums=True)
+    if not verdict.complete:
+        raise IncompleteCheckpointError(verdict.reason)
+    if verdict.manifest is None:
+        raise NotShunterCheckpointError(
+            f"{directory}: no {STATE} and no {MANIFEST}; written by user code, not by shunter's checkpoint helpers"
+        )
+    return verdict.manifest
 
 
 def resume_point(resume_from: Any = None) -> Any:
@@ -231,9 +215,14 @@ def _load_dir(prepared: Prepared, directory: Path) -> None:
 
 
 def report(prepared: Prepared, metrics: dict[str, Any], *, checkpoint: bool = False) -> None:
-    """`ray.train.report` from every rank, with this rank's part of a checkpoint when asked."""
+    """`ray.train.report` from every rank, with this rank's part of a checkpoint when asked.
+
+    Every report carries the strategy `prepare` applied (`STRATEGY_METRIC`), so the driver can tell a job whose train
+    loop applied the spec's strategy from one that ran as plain Ray Train code (see `workers.progress`).
+    """
     import ray.train
 
+    metrics = {**metrics, STRATEGY_METRIC: prepared.kind.value}
     if not checkpoint:
         ray.train.report(metrics)
         return

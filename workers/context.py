@@ -18,6 +18,9 @@ ENV_JOB_ID = "SHUNTER_JOB_ID"
 ENV_ATTEMPT = "SHUNTER_ATTEMPT"
 ENV_DATABASE_URL = "SHUNTER_PROGRESS_DATABASE_URL"
 ENV_STORAGE = "SHUNTER_JOB_STORAGE"
+# A reserved metric key: every report made through a `Prepared` (workers.strategies.prepare) names the strategy it
+# applied, so the Train callback can tell a loop that applied the spec's strategy from plain Ray Train code.
+STRATEGY_METRIC = "_shunter_strategy"
 
 
 @functools.lru_cache

@@ -2,7 +2,8 @@
 
 It reads its job from the environment the dispatcher set (`workers.context`), builds a `TorchTrainer` from the spec,
 runs it, and records why the attempt ended before exiting (0 on success, 1 otherwise), so the dispatcher need not
-guess from Ray's status alone.
+guess from Ray's status alone. It also records a warning when the spec asked for FSDP or DeepSpeed and the train loop
+never applied it (see `workers.progress`).
 """
 
 from __future__ import annotations
@@ -11,9 +12,14 @@ import logging
 import os
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
 from service.models import EndReason
+from service.strategy import StrategyKind
 from workers import context
+
+if TYPE_CHECKING:
+    from service.spec import JobSpec
 
 log = logging.getLogger("shunter.driver")
 
@@ -69,9 +75,9 @@ def build_trainer(spec, *, job_id: str, attempt: int, storage: str, database_url
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from workers.entrypoint import train_loop_for
     from workers.progress import ProgressCallback
     from workers.storage import filesystem_for
-    from workers.strategies import train_loop_for
 
     res = spec.resources
     per_worker = res.per_worker()
@@ -81,8 +87,17 @@ def build_trainer(spec, *, job_id: str, attempt: int, storage: str, database_url
         resources_per_worker=per_worker,
         placement_strategy=res.placement.ray_strategy,
     )
+    expected = strategy_to_check(spec)
     callbacks = (
-        [ProgressCallback(database_url=database_url, job_id=job_id, attempt=attempt, keep=spec.checkpoint.keep)]
+        [
+            ProgressCallback(
+                database_url=database_url,
+                job_id=job_id,
+                attempt=attempt,
+                keep=spec.checkpoint.keep,
+                strategy=expected.value if expected else None,
+            )
+        ]
         if database_url
         else []
     )
@@ -104,6 +119,16 @@ def build_trainer(spec, *, job_id: str, attempt: int, storage: str, database_url
         run_config=run_config,
         torch_config=TorchConfig(backend="nccl" if res.use_gpu else "gloo"),
     )
+
+
+def strategy_to_check(spec: JobSpec) -> StrategyKind | None:
+    """The strategy the train loop must apply itself, when shunter is to check that it did: FSDP or DeepSpeed.
+
+    DDP is what a plain Ray Train loop runs anyway; script mode (`entrypoint.script`) applies its own strategy.
+    """
+    if spec.entrypoint.script or spec.strategy.kind is StrategyKind.ddp:
+        return None
+    return spec.strategy.kind
 
 
 def run_name_for(spec, *, job_id: str, attempt: int) -> str:  # noqa: ANN001
@@ -130,11 +155,25 @@ def main() -> int:
     import ray
 
     ray.init(log_to_driver=True)
+    reason, message = run(spec, job_id=job_id, attempt=attempt, storage=storage, database_url=database_url)
+    log.info("attempt ended: %s", reason.value)
+    return 0 if reason is EndReason.SUCCEEDED else 1
+
+
+def run(spec: JobSpec, *, job_id: str, attempt: int, storage: str, database_url: str | None) -> tuple[EndReason, str]:
+    """Train this attempt to its end (Ray already initialised) and record how it ended; (end reason, message)."""
     reason, message = EndReason.SUCCEEDED, "succeeded"
     try:
         trainer = build_trainer(spec, job_id=job_id, attempt=attempt, storage=storage, database_url=database_url)
         result = trainer.fit()
         log.info("training finished; final checkpoint: %s", getattr(result.checkpoint, "path", None))
+        expected = strategy_to_check(spec)
+        if expected and database_url:
+            # The Train callback checked the first report; this covers a run with none. (A failed run that never
+            # reported is left alone: it may have failed inside `prepare` itself, and its failure is the news.)
+            from workers.progress import warn_if_never_reported
+
+            warn_if_never_reported(database_url, job_id=job_id, attempt=attempt, expected=expected.value)
     except KeyboardInterrupt:
         reason, message = EndReason.CANCELLED, "stopped by request"
     except Exception as exc:  # noqa: BLE001 - classified, recorded, and printed in full below
@@ -148,8 +187,7 @@ def main() -> int:
             record_attempt_end(engine_for(database_url), job_id=job_id, attempt=attempt, reason=reason, message=message)
         except Exception:  # noqa: BLE001 - the exit code still tells the dispatcher the attempt failed
             log.exception("could not record the end of the attempt")
-    log.info("attempt ended: %s", reason.value)
-    return 0 if reason is EndReason.SUCCEEDED else 1
+    return reason, message
 
 
 if __name__ == "__main__":

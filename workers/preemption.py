@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import time
 
+from service.storage import preemption_marker
+from workers.context import ENV_STORAGE, job_id
+
 CHECK_SECONDS = 2.0
-MARKER = "shunter-preempt"
 _last_check = 0.0
 _seen = False
 _answered = False  # one checkpoint per notice: after the collective "yes", stop asking
@@ -19,15 +21,10 @@ _answered = False  # one checkpoint per notice: after the collective "yes", stop
 
 def marker_path() -> tuple[str, object] | None:
     """(path, pyarrow filesystem or None) of this job's marker, or None outside a shunter job."""
-    from workers.context import ENV_STORAGE, job_id
-
     storage, job = os.environ.get(ENV_STORAGE), job_id()
     if not storage or not job:
         return None
-    from workers.storage import filesystem_for
-
-    root, fs = filesystem_for(storage)
-    return f"{root.rstrip('/')}/{job}/{MARKER}", fs
+    return preemption_marker(storage, job)
 
 
 def _marker_exists() -> bool:

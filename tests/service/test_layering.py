@@ -1,12 +1,15 @@
-"""The control plane imports without the training stack, and `service` never imports `api`."""
+"""The control plane imports without the training stack, `service` never imports `api`, and no module of shunter's
+own packages imports itself through others (an import cycle)."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("api", "service", "workers")
 
 BLOCK_TRAINING_STACK = """
 import importlib.abc, sys
@@ -37,3 +40,141 @@ def test_service_never_imports_api() -> None:
         if any(line.startswith(("from api", "import api")) for line in p.read_text().splitlines())
     ]
     assert offenders == []
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_only(node: ast.AST) -> bool:
+    test = getattr(node, "test", None) if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(path: Path, module: str, known: set[str]) -> set[str]:
+    """The project modules `module` imports anywhere in its source, inside functions too (a lazy import still runs,
+    and only postpones the cycle to the first call); `if TYPE_CHECKING:` blocks aside, which never run.
+
+    An import names one module: `from a.b import c` is a.b.c when that is a module, else a.b; `import a.b.c` is
+    a.b.c. The parent packages Python initialises on the way are not edges: counting them would make every
+    package whose `__init__` imports a submodule lazily look cyclic.
+    """
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+
+    def known_prefix(name: str) -> str:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name
+
+    def visit(node: ast.AST) -> None:
+        if _type_checking_only(node):
+            for child in node.orelse:  # type: ignore[attr-defined]
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(known_prefix(alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(node.level - 1):
+                base = base.rpartition(".")[0]
+            source = (f"{base}.{node.module}" if node.module else base) if node.level else (node.module or "")
+            for alias in node.names:
+                child = f"{source}.{alias.name}"
+                found.add(child if child in known else known_prefix(source))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), filename=str(path)))
+    return found - {"", module}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports, for every module of api, service and workers."""
+    files = {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+    return {module: _imports(path, module, set(files)) for module, path in files.items()}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (a -> b -> ... -> a) through each strongly connected component of `graph` (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[set[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = set()
+            while True:
+                member = stack.pop()
+                component.add(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    cycles = []
+    for component in components:
+        start = min(component)
+        paths = {start: [start]}  # breadth first inside the component: the shortest way back to `start`
+        queue = [start]
+        while queue:
+            node = queue.pop(0)
+            for target in sorted(graph[node] & component):
+                if target == start:
+                    cycles.append([*paths[node], start])
+                    queue = []
+                    break
+                if target not in paths:
+                    paths[target] = [*paths[node], target]
+                    queue.append(target)
+    return cycles
+
+
+def test_import_cycle_finder_finds_and_names_cycles() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"f"}, "f": {"e"}}
+    assert import_cycles(graph) == [["a", "b", "c", "a"], ["e", "f", "e"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph()
+    assert {"api.app", "service.dispatcher", "workers.checkpoint", "workers.strategies"} <= set(graph)
+    assert "workers.checkpoint" in graph["workers.strategies.common"]  # imports inside functions count
+    cycles = import_cycles(graph)
+    assert cycles == [], "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_service_modules_stay_small() -> None:
+    """One concern per module (STYLE.md): nothing under service/ grows past 400 lines (migrations are generated)."""
+    sizes = {
+        str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+        for p in (ROOT / "service").rglob("*.py")
+        if "migrations" not in p.parts
+    }
+    assert {name: n for name, n in sizes.items() if n > 400} == {}
+
+
+def test_job_events_have_one_writer() -> None:
+    """`service.state.record_event` is the only code that builds a JobEvent row (so every one has a known kind)."""
+    writers = []
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "JobEvent":
+                    writers.append(str(path.relative_to(ROOT)))
+    assert writers == ["service/state.py"]

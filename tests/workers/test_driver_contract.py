@@ -11,7 +11,7 @@ import pytest
 from service.spec import JobSpec
 from workers.checkpoint import verify
 from workers.context import ENV_SPEC
-from workers.strategies import train_loop_for
+from workers.entrypoint import train_loop_for
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from service.spec import JobSpec
-from workers.strategies import train_loop_for
+from workers.entrypoint import train_loop_for
 
 STRATEGIES = {
     "ddp": {"kind": "ddp"},

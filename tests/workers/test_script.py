@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from service.spec import JobSpec
-from workers.strategies import train_loop_for
+from workers.entrypoint import train_loop_for
 
 
 def fit_script(tmp_path: Path, script: str, args: list[str], name: str) -> object:

@@ -1,6 +1,6 @@
 """Checkpoint storage on a local path and on S3 (a real `moto_server` on 127.0.0.1, not a mocked client):
-the filesystem Ray Train gets, the completeness check against shunter's manifest, and a real 2-worker run that
-checkpoints to S3 and resumes from there at the right step."""
+the filesystem Ray Train gets, the one completeness rule (`workers.manifest.check`) as the progress callback and the
+loader apply it, and a real 2-worker run that checkpoints to S3 and resumes from there at the right step."""
 
 from __future__ import annotations
 
@@ -14,13 +14,15 @@ import pytest
 from pyarrow import fs
 
 from tests.s3_server import S3Server, s3_fixture, s3_server_fixture  # noqa: F401 - fixtures `s3`, `s3_server`
-from workers.storage import MANIFEST, checkpoint_at, checkpoint_complete, filesystem_for, uri_of
+from workers import manifest
+from workers.manifest import MANIFEST, STATE
+from workers.storage import checkpoint_at, checkpoint_complete, filesystem_for, uri_of
 
 FILES = {
     "model.pt": b"m" * 1000,
     "optimizer.pt": b"o" * 300,
     "dcp/shard-0.distcp": b"s" * 50,
-    "shunter-state.json": b"{}",
+    STATE: b"{}",
 }
 
 
@@ -86,42 +88,75 @@ def test_s3_filesystem_reaches_the_server(s3: tuple[S3Server, str]) -> None:
     assert "p/run/x" in server.keys(fresh)
 
 
-# --- checkpoint_complete: local -------------------------------------------------------------------------------------
+# --- the completeness rule: local ------------------------------------------------------------------------------------
 
 
-def test_local_checkpoint_complete_and_agrees_with_the_loader(tmp_path: Path) -> None:
+def damage(directory: Path, case: str) -> Path:
+    """A sealed checkpoint folder, then changed as `case` says."""
+    write_sealed(directory)
+    if case == "missing-with-state":  # shunter's helpers wrote it; the manifest, written last, never came
+        (directory / MANIFEST).unlink()
+    elif case == "missing-without-state":  # user code wrote it: neither shunter's state file nor a manifest
+        (directory / MANIFEST).unlink()
+        (directory / STATE).unlink()
+    elif case == "size-mismatch":
+        (directory / "model.pt").write_bytes(b"m" * 10)
+    elif case == "file-missing":
+        (directory / "dcp" / "shard-0.distcp").unlink()
+    elif case == "unreadable-manifest":
+        (directory / MANIFEST).write_text("{not json")
+    elif case == "manifest-without-sizes":
+        (directory / MANIFEST).write_text(json.dumps({"format": 1, "files": {"model.pt": {}}}))
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("case", "complete", "loadable"),
+    [
+        ("manifest-ok", True, True),
+        ("missing-with-state", False, False),
+        ("missing-without-state", True, False),  # complete as Ray Train reported it; nothing for `load` to restore
+        ("size-mismatch", False, False),
+        ("file-missing", False, False),
+        ("unreadable-manifest", False, False),
+        ("manifest-without-sizes", False, False),
+    ],
+)
+def test_one_completeness_rule_for_the_callback_and_the_loader(
+    tmp_path: Path, case: str, complete: bool, loadable: bool
+) -> None:
     from ray.train import Checkpoint
 
-    from workers.checkpoint import MANIFEST as LOADER_MANIFEST
-    from workers.checkpoint import verify
+    from workers.checkpoint import IncompleteCheckpointError, NotShunterCheckpointError, verify
 
-    assert MANIFEST == LOADER_MANIFEST
-    local = write_sealed(tmp_path / "ckpt")
-    verify(local)  # the manifest format is the one workers.checkpoint writes and the loader checks
-    assert checkpoint_complete(Checkpoint(str(local)))
-    assert checkpoint_complete(Checkpoint(str(local)), checksums=True)
-
-
-def test_local_checkpoint_without_manifest_counts_as_complete(tmp_path: Path) -> None:
-    from ray.train import Checkpoint
-
-    local = write_sealed(tmp_path / "ckpt")
-    (local / MANIFEST).unlink()
-    assert checkpoint_complete(Checkpoint(str(local)))
-
-
-@pytest.mark.parametrize("damage", ["missing", "truncated", "bad-manifest"])
-def test_local_checkpoint_that_does_not_match_its_manifest_is_incomplete(tmp_path: Path, damage: str) -> None:
-    from ray.train import Checkpoint
-
-    local = write_sealed(tmp_path / "ckpt")
-    if damage == "missing":
-        (local / "dcp" / "shard-0.distcp").unlink()
-    elif damage == "truncated":
-        (local / "model.pt").write_bytes(b"m" * 10)
+    local = damage(tmp_path / "ckpt", case)
+    verdict = manifest.check(str(local), fs.LocalFileSystem())
+    assert verdict.complete is complete, verdict.reason
+    assert manifest.check(str(local), fs.LocalFileSystem(), checksums=True).complete is complete
+    assert bool(verdict.reason) is not complete
+    assert checkpoint_complete(Checkpoint(str(local))) is complete  # the progress callback's check
+    if loadable:
+        assert verify(local) == verdict.manifest  # the loader's check
+        assert verdict.manifest is not None and set(verdict.manifest["files"]) == set(FILES)
+    elif complete:
+        with pytest.raises(NotShunterCheckpointError, match=f"no {STATE} and no {MANIFEST}"):
+            verify(local)
     else:
-        (local / MANIFEST).write_text("{not json")
-    assert not checkpoint_complete(Checkpoint(str(local)))
+        with pytest.raises(IncompleteCheckpointError) as refused:
+            verify(local)
+        assert type(refused.value) is IncompleteCheckpointError
+        assert str(refused.value) == verdict.reason
+
+
+def test_manifest_written_by_the_helpers_lists_every_file(tmp_path: Path) -> None:
+    local = tmp_path / "ckpt"
+    for name, data in FILES.items():
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        (local / name).write_bytes(data)
+    written = manifest.write(local, manifest.listing(local), step=4, epoch=0)
+    assert written["files"] == json.loads(write_sealed(tmp_path / "by-hand").joinpath(MANIFEST).read_text())["files"]
+    assert manifest.check(str(local), checksums=True).manifest == written
+    assert not (local / (MANIFEST + ".tmp")).exists()
 
 
 def test_same_size_corruption_needs_checksums(tmp_path: Path) -> None:
@@ -153,7 +188,9 @@ def test_s3_checkpoint_complete_missing_manifest_and_size_mismatch(s3: tuple[S3S
     client.put_object(Bucket=bucket, Key="runs/ckpt/model.pt", Body=FILES["model.pt"])
     client.delete_object(Bucket=bucket, Key="runs/ckpt/dcp/shard-0.distcp")  # a file that never arrived
     assert not checkpoint_complete(checkpoint)
-    client.delete_object(Bucket=bucket, Key=f"runs/ckpt/{MANIFEST}")  # no manifest: not a shunter checkpoint
+    client.delete_object(Bucket=bucket, Key=f"runs/ckpt/{MANIFEST}")  # shunter's state file, but no manifest
+    assert not checkpoint_complete(checkpoint)
+    client.delete_object(Bucket=bucket, Key=f"runs/ckpt/{STATE}")  # neither: user code wrote it
     assert checkpoint_complete(checkpoint)
 
 

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from service.spec import JobSpec
 from service.strategy import MixedPrecision, StrategySpec
 from workers.checkpoint import MANIFEST, IncompleteCheckpointError, verify
-from workers.strategies import train_loop_for
+from workers.entrypoint import train_loop_for
 from workers.strategies.deepspeed import build_config
 
 GUIDE_DS_CONFIG = {  # the reference guide's ds_config.json, minus bf16 (CPU here)
@@ -157,3 +157,30 @@ def test_checkpoint_without_valid_manifest_is_refused(tmp_path: Path) -> None:
     (tmp_path / MANIFEST).write_text(json.dumps({"step": 1, "files": {"model.pt": entry}}))
     with pytest.raises(IncompleteCheckpointError, match="does not match its sha256"):
         verify(tmp_path)
+
+
+def test_deepspeed_config_from_stored_spec_keeps_its_stage() -> None:
+    """Issue 11: a full config (stage 3) must survive the spec's dump / re-validation and still build stage 3."""
+    submitted = JobSpec.model_validate(
+        {
+            "entrypoint": {"callable": "examples.gpt2_tiny:train_loop"},
+            "config": {"steps": 6},
+            "strategy": {"kind": "deepspeed", "deepspeed": {"config": {"zero_optimization": {"stage": 3}}}},
+            "resources": {"num_workers": 2},
+        }
+    )
+    stored = JobSpec.model_validate_json(submitted.model_dump_json())  # what the driver validates
+    assert stored == submitted
+    config = build_config(stored.strategy, world_size=2, micro_batch_size=4, precision=MixedPrecision.no, use_gpu=False)
+    assert config["zero_optimization"]["stage"] == 3
+    assert config["gradient_accumulation_steps"] == 1 and config["train_batch_size"] == 8
+
+
+def test_deepspeed_short_form_defaults_survive_the_dump() -> None:
+    """Defaults not given (ZeRO 2, no offload, no overlap, accumulation 1) are applied by the worker, not stored."""
+    submitted = spec({"kind": "deepspeed"})
+    stored = JobSpec.model_validate(submitted.model_dump(mode="json"))
+    assert stored == submitted and stored.strategy.deepspeed_options.zero_stage is None
+    config = build_config(stored.strategy, world_size=2, micro_batch_size=4, precision=MixedPrecision.no, use_gpu=False)
+    assert config["zero_optimization"] == {"stage": 2, "overlap_comm": False, "contiguous_gradients": True}
+    assert config["gradient_accumulation_steps"] == 1 and config["train_batch_size"] == 8

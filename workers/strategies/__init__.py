@@ -14,8 +14,6 @@ continues at the step, optimizer state and RNG state it had saved.
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from service.strategy import StrategyKind, StrategySpec
@@ -33,8 +31,6 @@ from workers.strategies.common import (
 if TYPE_CHECKING:
     import torch
 
-    from service.spec import JobSpec
-
 __all__ = [
     "Prepared",
     "current_strategy",
@@ -42,7 +38,6 @@ __all__ = [
     "mixed_precision",
     "prepare",
     "seed_everything",
-    "train_loop_for",
     "world",
 ]
 
@@ -84,23 +79,3 @@ def prepare(
 
         load(prepared, resume_from)
     return prepared
-
-
-def train_loop_for(spec: JobSpec) -> tuple[Callable[[dict[str, Any]], None], dict[str, Any]]:
-    """(train_loop_per_worker, train_loop_config) for the job's entrypoint, for the driver's TorchTrainer."""
-    entry = spec.entrypoint
-    if entry.callable:
-        module_name, _, attr = entry.callable.partition(":")
-        target: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            target = getattr(target, part)
-        if not callable(target):
-            raise TypeError(f"entrypoint.callable: {entry.callable} is not callable")
-        return target, dict(spec.config)
-    if entry.script:
-        from workers.script import run_script
-
-        return run_script, {"script": entry.script, "args": list(entry.args)}
-    from workers.recipes import recipe_loop
-
-    return recipe_loop(entry.recipe or ""), dict(spec.config)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from service.strategy import MixedPrecision, StrategyKind, StrategySpec
+from workers.ranks import world
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +33,6 @@ def current_strategy(strategy: StrategySpec | None = None) -> StrategySpec:
     from workers.context import job_spec
 
     return job_spec().strategy
-
-
-def world() -> tuple[int, int]:
-    """(rank, world size) of this process; (0, 1) when no process group is up."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def local_world_size() -> int:
@@ -95,7 +89,7 @@ def scale_lr(optimizer: torch.optim.Optimizer, strategy: StrategySpec, *, micro_
     micro = strategy.micro_batch_size or micro_batch_size
     if micro is None:
         raise ValueError("strategy.scale_lr: linear needs strategy.micro_batch_size or a data loader with a batch size")
-    effective = micro * strategy.gradient_accumulation_steps * world()[1]
+    effective = micro * strategy.accumulation_steps * world()[1]
     factor = effective / strategy.base_batch_size
     for group in optimizer.param_groups:
         group["lr"] = group["lr"] * factor
