@@ -7,7 +7,6 @@ must be claimed exactly once (checked from the event log).
 
 from __future__ import annotations
 
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -24,7 +23,7 @@ def _ts(at: Any) -> float:
     return (at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp()
 
 
-def drain(kind: str, n_jobs: int, n_dispatchers: int, work: Path, *, patched: bool = False) -> dict[str, Any]:
+def drain(kind: str, n_jobs: int, n_dispatchers: int, work: Path) -> dict[str, Any]:
     from sqlalchemy import func
     from sqlmodel import Session, select
 
@@ -42,8 +41,7 @@ def drain(kind: str, n_jobs: int, n_dispatchers: int, work: Path, *, patched: bo
                     SHUNTER_DATA_DIR=str(work), SHUNTER_DISPATCHER_ID=f"bench-d{i}",
                 )  # fmt: skip
                 logp = work / f"d-{kind}-{n_dispatchers}-{i}.log"
-                cmd = [sys.executable, "-m", "bench.patched"] if patched else common.shunter_cmd("dispatcher")
-                procs.append((common.spawn(cmd, env=env, log_path=logp), logp))
+                procs.append((common.spawn(common.shunter_cmd("dispatcher"), env=env, log_path=logp), logp))
             # Idle dispatchers first: each writes the cluster snapshot every tick once its loop runs.
             time.sleep(1.0)
             common.wait_for(lambda: all(p.poll() is None for p, _ in procs)
@@ -77,7 +75,7 @@ def drain(kind: str, n_jobs: int, n_dispatchers: int, work: Path, *, patched: bo
     last_end = max(_ts(e[2]) for e in ends)
     per_actor = Counter(e[3] for e in starts)
     row = {
-        "db": kind, "dispatchers": n_dispatchers, "variant": "proposed fix" if patched else "as is", "jobs": n_jobs,
+        "db": kind, "dispatchers": n_dispatchers, "variant": "as is", "jobs": n_jobs,
         "claims_per_s": n_jobs / max(last - first, 1e-6),
         "jobs_per_s": n_jobs / max(last_end - first, 1e-6),
         "double_claims": double, "claims_by_dispatcher": dict(per_actor),
@@ -102,18 +100,13 @@ def run(quick: bool) -> dict[str, Any]:
     n_jobs = 500 if quick else 1200
     kinds = ["sqlite"] + (["postgres"] if common.postgres_available() else [])
     rows = [drain(kind, n_jobs, k, work) for kind in kinds for k in (1, 2, 4)]
-    # The same drain with the fix bench/patched.py proposes (admitted jobs submitted through the reconcile pool).
-    rows += [drain(kind, n_jobs, 4, work, patched=True) for kind in kinds]
     pg4 = next((r for r in rows if r["db"] == "postgres" and r["dispatchers"] == 4 and r["variant"] == "as is"), None)
-    fixed = {r["db"]: r for r in rows if r["variant"] == "proposed fix"}
     ratios = {}
     for kind in kinds:
         one = next(r for r in rows if r["db"] == kind and r["dispatchers"] == 1)
         for r in rows:
             if r["db"] == kind and r["dispatchers"] > 1 and r["variant"] == "as is":
                 ratios[f"{kind} claims/s x{r['dispatchers']}/x1"] = r["claims_per_s"] / one["claims_per_s"]
-        as_is = next(r for r in rows if r["db"] == kind and r["dispatchers"] == 4 and r["variant"] == "as is")
-        ratios[f"{kind} claims/s x4 proposed fix/as is"] = fixed[kind]["claims_per_s"] / as_is["claims_per_s"]
     return {
         "rows": rows,
         "ratios": ratios,

@@ -21,13 +21,11 @@ def main() -> None:
     parser.add_argument("--db", default="postgres", choices=("postgres", "sqlite"))
     parser.add_argument("--jobs", type=int, default=600)
     parser.add_argument("--top", type=int, default=30)
-    parser.add_argument("--patched", action="store_true", help="with the fix bench/patched.py proposes")
     args = parser.parse_args()
 
     from sqlalchemy import func
     from sqlmodel import Session, select
 
-    from bench.patched import PooledAdmitDispatcher
     from service.db import make_engine
     from service.dispatcher import Dispatcher
     from service.models import Job, JobState
@@ -39,8 +37,7 @@ def main() -> None:
         engine = make_engine(url)
         common.enqueue(engine, args.jobs)
         settings = Settings(database_url=url, backend=f"noop:{work / 'noop'}", data_dir=work)
-        cls = PooledAdmitDispatcher if args.patched else Dispatcher
-        disp = cls(engine=engine, settings=settings, ray=NoopJobs(work / "noop"), owner="bench-profile")
+        disp = Dispatcher(engine=engine, settings=settings, ray=NoopJobs(work / "noop"), owner="bench-profile")
 
         def left() -> int:
             with Session(engine) as s:

@@ -10,6 +10,7 @@ from datetime import datetime
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
+from service import resources
 from service.errors import Conflict, InvalidSpec, NotFound, StaleWrite
 from service.models import Attempt, Checkpoint, ClusterSnapshot, EventKind, Job, JobEvent, JobState, Metric
 from service.settings import Settings
@@ -44,7 +45,7 @@ def check_fits_cluster(spec: JobSpec, snapshot: ClusterSnapshot | None) -> None:
         )
     per_worker = res.per_worker()
     nodes = [n for n in snapshot.nodes if n.get("alive", True)]
-    if not any(all(n["total"].get(k, 0.0) >= v for k, v in per_worker.items()) for n in nodes):
+    if not any(resources.fits(n["total"], per_worker) for n in nodes):
         largest = {k: max(n["total"].get(k, 0.0) for n in nodes) for k in per_worker}
         raise InvalidSpec(
             f"resources.resources_per_worker: one worker needs {per_worker}, more than any node has "
@@ -52,16 +53,14 @@ def check_fits_cluster(spec: JobSpec, snapshot: ClusterSnapshot | None) -> None:
             field="resources.resources_per_worker",
         )
     placement = res.placement.value
-    if placement == "strict_pack" and not any(
-        all(n["total"].get(k, 0.0) >= v * res.num_workers for k, v in per_worker.items()) for n in nodes
-    ):
+    if placement == "strict_pack" and not any(resources.fits(n["total"], res.total()) for n in nodes):
         raise InvalidSpec(
             f"resources.placement: strict_pack needs one node with room for all {res.num_workers} workers "
-            f"({ {k: v * res.num_workers for k, v in per_worker.items()} }); no node has it",
+            f"({res.total()}); no node has it",
             field="resources.placement",
         )
     if placement == "strict_spread":
-        holders = sum(1 for n in nodes if all(n["total"].get(k, 0.0) >= v for k, v in per_worker.items()))
+        holders = sum(1 for n in nodes if resources.fits(n["total"], per_worker))
         if res.num_workers > holders:
             raise InvalidSpec(
                 f"resources.placement: strict_spread needs {res.num_workers} distinct nodes; only {holders} can hold "
@@ -69,7 +68,7 @@ def check_fits_cluster(spec: JobSpec, snapshot: ClusterSnapshot | None) -> None:
                 field="resources.placement",
             )
     # How many workers fit on the whole cluster, node by node (a worker never spans nodes).
-    capacity = sum(int(min(n["total"].get(k, 0.0) // v for k, v in per_worker.items())) for n in nodes)
+    capacity = sum(resources.workers_fitting(n["total"], per_worker) for n in nodes)
     if res.num_workers > capacity:
         raise InvalidSpec(
             f"resources.num_workers: {res.num_workers} workers of {per_worker} can never fit; "

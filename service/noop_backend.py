@@ -3,28 +3,36 @@ benchmarks of the queue, where Ray's ~10 s per job would only hide what the data
 
 It implements the Ray adapter's interface for real, across processes: each submission is a file created with
 O_EXCL in a shared directory, so a second submission of one id fails exactly as Ray refuses it, and every
-submission call is appended to `submits.log` so a test can count them. It never stands in for Ray in a test of
-training, placement or fault handling.
+submission call is appended to `submits.log` so a test can count them. A job runs for `run_seconds` after its
+submission (then SUCCEEDED) unless stopped (then STOPPED). It stands in for Ray only where Ray's behaviour is not
+what is tested (queue scale, and faults injected into the dispatcher's own effects); never in a test of training,
+placement or of how Ray's own failures are handled.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
+from service.backend import SUBMISSION_PREFIX, ClusterView, NodeView, RayJobInfo
 from service.errors import InfraError
-from service.ray_jobs import ClusterView, NodeView, RayJobInfo
+
+STOPPED = ".stopped"  # beside a submission's file: it was stopped
 
 
 class NoopJobs:
+    """The `Backend` protocol without Ray."""
+
     dashboard_url = "noop://"
     gcs_address = None
 
-    def __init__(self, directory: str | Path, *, cpus: float = 1e9) -> None:
+    def __init__(self, directory: str | Path, *, cpus: float = 1e9, run_seconds: float = 0.0) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cpus = cpus
+        self.run_seconds = run_seconds  # how long a job stays RUNNING after its submission (0: it ends at once)
 
     def close(self) -> None:
         pass
@@ -33,7 +41,16 @@ class NoopJobs:
         return self.dir.is_dir()
 
     def info(self, submission_id: str) -> RayJobInfo | None:
-        return RayJobInfo(submission_id, "SUCCEEDED") if (self.dir / submission_id).exists() else None
+        path = self.dir / submission_id
+        try:
+            submitted = path.stat().st_mtime
+        except FileNotFoundError:
+            return None
+        if (self.dir / f"{submission_id}{STOPPED}").exists():
+            return RayJobInfo(submission_id, "STOPPED", message="stopped")
+        if time.time() - submitted < self.run_seconds:
+            return RayJobInfo(submission_id, "RUNNING")
+        return RayJobInfo(submission_id, "SUCCEEDED")
 
     def submit(
         self, *, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]
@@ -50,13 +67,17 @@ class NoopJobs:
         return True
 
     def stop(self, submission_id: str) -> bool:
-        return False
+        info = self.info(submission_id)
+        if info is None or info.is_terminal:
+            return False
+        (self.dir / f"{submission_id}{STOPPED}").touch()
+        return True
 
     def logs(self, submission_id: str) -> str | None:
-        return None
+        return f"noop job {submission_id}\n" if (self.dir / submission_id).exists() else None
 
-    def list_submission_ids(self, prefix: str = "shunter-") -> list[str]:
-        return sorted(p.name for p in self.dir.iterdir() if p.name.startswith(prefix))
+    def list_submission_ids(self, prefix: str = SUBMISSION_PREFIX) -> list[str]:
+        return sorted(p.name for p in self.dir.iterdir() if p.name.startswith(prefix) and not p.name.endswith(STOPPED))
 
     def cluster(self) -> ClusterView:
         total = {"CPU": self.cpus, "GPU": 0.0, "memory": 1e15}

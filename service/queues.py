@@ -37,9 +37,16 @@ def usage(session: Session, totals: Callable[[Job], dict[str, float]] | None = N
     """What each queue's admitted jobs hold now (`totals` may supply cached per-job resources)."""
     out: dict[str, QueueUsage] = {}
     for job in session.exec(select(Job).where(col(Job.state).in_(ACTIVE_STATES))).all():
-        total = totals(job) if totals else JobSpec.model_validate(job.spec).resources.total()
+        total = totals(job) if totals else _total(job)
         out.setdefault(job.queue, QueueUsage()).add(total)
     return out
+
+
+def _total(job: Job) -> dict[str, float]:
+    try:
+        return JobSpec.model_validate(job.spec).resources.total()
+    except ValueError:  # a stored spec that no longer validates holds nothing; the dispatcher ends that job
+        return {}
 
 
 def check_known(session: Session, settings: Settings, name: str) -> None:

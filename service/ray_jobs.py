@@ -9,62 +9,15 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from service.backend import SUBMISSION_PREFIX, ClusterView, NodeView, RayJobInfo
 from service.errors import InfraError
 
 log = logging.getLogger(__name__)
-RAY_TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
-
-
-@dataclass(frozen=True)
-class RayJobInfo:
-    submission_id: str
-    status: str  # PENDING | RUNNING | STOPPED | SUCCEEDED | FAILED
-    message: str | None = None
-    error_type: str | None = None
-    driver_exit_code: int | None = None
-    start_time: int | None = None
-    end_time: int | None = None
-
-    @property
-    def is_terminal(self) -> bool:
-        return self.status in RAY_TERMINAL
-
-
-@dataclass
-class NodeView:
-    node_id: str
-    address: str
-    alive: bool
-    total: dict[str, float] = field(default_factory=dict)
-    available: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class ClusterView:
-    nodes: list[NodeView]
-
-    @property
-    def total(self) -> dict[str, float]:
-        return _sum(n.total for n in self.nodes if n.alive)
-
-    @property
-    def available(self) -> dict[str, float]:
-        return _sum(n.available for n in self.nodes if n.alive)
-
-
-def _sum(dicts: Any) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for d in dicts:
-        for k, v in d.items():
-            if not k.startswith("node:"):
-                out[k] = out.get(k, 0.0) + float(v)
-    return out
 
 
 def ray_auth_headers() -> dict[str, str]:
@@ -77,7 +30,7 @@ def ray_auth_headers() -> dict[str, str]:
 
 
 class RayJobs:
-    """One Ray cluster, seen through its dashboard (Jobs API) and, when known, its GCS."""
+    """The `Backend` of a real Ray cluster, seen through its dashboard (Jobs API) and, when known, its GCS."""
 
     def __init__(self, dashboard_url: str, *, gcs_address: str | None = None, timeout: float = 10.0) -> None:
         self.dashboard_url = dashboard_url.rstrip("/")
@@ -152,7 +105,7 @@ class RayJobs:
             raise InfraError(f"Ray could not return logs of {submission_id}: {r.status_code}")
         return str(r.json().get("logs", ""))
 
-    def list_submission_ids(self, prefix: str = "shunter-") -> list[str]:
+    def list_submission_ids(self, prefix: str = SUBMISSION_PREFIX) -> list[str]:
         r = self._request("GET", "/api/jobs/")
         if r.status_code != 200:
             raise InfraError(f"Ray Jobs API list answered {r.status_code}")

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from service import resources
+
+WAITING_FOR_ROOM = "waiting for room"  # the start of the reason preemption looks for
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -18,7 +22,7 @@ class Candidate:
     queue: str = "default"
 
     def total(self) -> dict[str, float]:
-        return {k: v * self.num_workers for k, v in self.per_worker.items()}
+        return resources.scaled(self.per_worker, self.num_workers)
 
 
 @dataclass(frozen=True)
@@ -55,15 +59,6 @@ class NodeFree:
     free: dict[str, float] = field(default_factory=dict)
 
 
-def _fits_one(free: dict[str, float], need: dict[str, float]) -> bool:
-    return all(free.get(k, 0.0) + 1e-9 >= v for k, v in need.items())
-
-
-def _take(free: dict[str, float], need: dict[str, float]) -> None:
-    for k, v in need.items():
-        free[k] = free.get(k, 0.0) - v
-
-
 def place(candidate: Candidate, nodes: list[NodeFree]) -> list[str] | None:
     """Node ids for each worker, or None if the whole group cannot be placed now. Never a partial group.
 
@@ -74,13 +69,13 @@ def place(candidate: Candidate, nodes: list[NodeFree]) -> list[str] | None:
     need = candidate.per_worker
     chosen: list[str] = []
     if candidate.placement == "strict_pack":
-        total = {k: v * candidate.num_workers for k, v in need.items()}
+        total = resources.scaled(need, candidate.num_workers)
         for node_id, room in free.items():
-            if _fits_one(room, total):
+            if resources.fits(room, total):
                 return [node_id] * candidate.num_workers
         return None
     for _ in range(candidate.num_workers):
-        fitting = [nid for nid, room in free.items() if _fits_one(room, need)]
+        fitting = [nid for nid, room in free.items() if resources.fits(room, need)]
         if candidate.placement == "strict_spread":
             fitting = [nid for nid in fitting if nid not in chosen]
         if not fitting:
@@ -90,7 +85,7 @@ def place(candidate: Candidate, nodes: list[NodeFree]) -> list[str] | None:
             node_id = max(fitting, key=lambda nid: (-chosen.count(nid), key(free[nid].get(k, 0) for k in need)))
         else:
             node_id = min(fitting, key=lambda nid: (-chosen.count(nid), key(free[nid].get(k, 0) for k in need)))
-        _take(free[node_id], need)
+        resources.take(free[node_id], need)
         chosen.append(node_id)
     return chosen
 
@@ -146,14 +141,14 @@ def plan(
             continue
         placed = place(cand, free_nodes)
         if placed is None:
-            result.waiting[cand.job_id] = f"waiting for room for {cand.num_workers} x {cand.per_worker}"
+            result.waiting[cand.job_id] = f"{WAITING_FOR_ROOM} for {cand.num_workers} x {cand.per_worker}"
             starving = reserve_after_seconds is not None and now - cand.seq >= reserve_after_seconds
             if not backfill or starving:
                 holder = cand
             continue
         by_id = {n.node_id: n for n in free_nodes}
         for node_id in placed:
-            _take(by_id[node_id].free, cand.per_worker)
+            resources.take(by_id[node_id].free, cand.per_worker)
         q_usage.add(cand.total())
         result.admit.append(cand.job_id)
     return result
@@ -162,3 +157,44 @@ def plan(
 def pick(candidates: list[Candidate], nodes: list[NodeFree], *, backfill: bool = True) -> list[str]:
     """The job ids `plan` admits, for callers that need no reasons or limits."""
     return plan(candidates, nodes, backfill=backfill).admit
+
+
+@dataclass(frozen=True)
+class Running:
+    """An admitted job as preemption sees it."""
+
+    job_id: str
+    priority: int
+    seq: float  # creation time: among equals, the newest yields first
+    total: dict[str, float]
+    yielding: bool = False  # already asked to yield
+
+
+def preemption(
+    result: Plan, candidates: list[Candidate], running: list[Running], free: dict[str, float],
+    *, limits: dict[str, QueueLimit] | None = None,
+) -> tuple[Candidate, list[str]] | None:  # fmt: skip
+    """Which running jobs should yield, and to whom: the first queued job (in admission order) that waits for room, in
+    a queue that allows preemption, gets lower-priority jobs stopped, lowest priority first and newest first, until
+    the freed room could hold its whole group. One preemption at a time: None while an earlier one is in flight, and
+    None when stopping every lower-priority job would still not make room.
+    """
+    limits = limits or {}
+    blocked = next(
+        (c for c in order(candidates) if result.waiting.get(c.job_id, "").startswith(WAITING_FOR_ROOM)), None
+    )
+    if blocked is None or not limits.get(blocked.queue, QueueLimit()).preemption:
+        return None
+    if any(r.yielding for r in running):
+        return None
+    need, room = blocked.total(), dict(free)
+    victims: list[str] = []
+    for job in sorted((r for r in running if r.priority < blocked.priority), key=lambda r: (r.priority, -r.seq)):
+        if resources.fits(room, need):
+            break
+        victims.append(job.job_id)
+        for key, value in job.total.items():
+            room[key] = room.get(key, 0.0) + value
+    if not victims or not resources.fits(room, need):
+        return None
+    return blocked, victims

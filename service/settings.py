@@ -46,6 +46,10 @@ class Settings(BaseSettings):
     dispatcher_tick_seconds: float = Field(0.5, gt=0)
     lease_seconds: float = Field(15.0, gt=0)
     dispatcher_threads: int = Field(8, ge=1, le=64, description="jobs reconciled at once by one dispatcher")
+    # How long Ray may refuse an attempt's submission (e.g. "no agent yet" just after a head starts) before the
+    # attempt ends as infra; and how long one job's reconcile may keep failing unexpectedly before that job is ended.
+    submit_patience_seconds: float = Field(120.0, gt=0)
+    job_fault_patience_seconds: float = Field(60.0, gt=0)
     admit_batch: int = Field(64, ge=1, le=10_000, description="queued jobs one admission pass considers")
 
     # The managed local Ray head (only when ray_address is unset).

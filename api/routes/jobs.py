@@ -28,6 +28,7 @@ from api.schemas import (
 )
 from api.sse import SSE_RESPONSE, event_stream
 from service import jobs
+from service.backend import submission_id
 from service.errors import InfraError, InvalidSpec, NotFound
 from service.models import Attempt, ClusterSnapshot, Job, JobState
 from service.runtime import Runtime
@@ -42,7 +43,7 @@ JobId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-
 
 def to_public(job: Job, session: Session) -> JobPublic:
     snap = session.get(ClusterSnapshot, 1)
-    sub_id = f"shunter-{job.id}-{job.attempt}" if job.attempt else None
+    sub_id = submission_id(job.id, job.attempt) if job.attempt else None
     dashboard = f"{snap.dashboard_url}/#/jobs/{sub_id}" if snap and snap.dashboard_url and sub_id else None
     loss = (job.latest_metrics or {}).get("loss")
     return JobPublic.model_validate(job).model_copy(

@@ -30,6 +30,20 @@ def test_deepspeed_zero3_job_via_rest(service: Service) -> None:
         assert Path(job.latest_checkpoint, "shunter-manifest.json").is_file()
 
 
+def test_full_deepspeed_config_job_runs_and_does_not_hold_up_the_next(service: Service) -> None:
+    """Issue 11's curl, as sent: a full DeepSpeed config (ZeRO-3). It used to stop admission for every job."""
+    curl = {"entrypoint": {"callable": "examples.gpt2_tiny:train_loop"}, "config": {"steps": 6},
+            "strategy": {"kind": "deepspeed", "deepspeed": {"config": {"zero_optimization": {"stage": 3}}}},
+            "resources": {"num_workers": 2}}  # fmt: skip
+    with service.client() as c:
+        ds = c.submit(curl)
+        after = c.submit(example("mlp-ddp.yaml", total_steps=20, checkpoint_every=10))
+        ds_job = c.wait(ds.id, timeout=300)
+        assert ds_job.state == "SUCCEEDED", ds_job.last_error
+        assert "ZeRO stage 3" in c.logs(ds.id)  # DeepSpeed's own line: the full config's stage was applied
+        assert c.wait(after.id, timeout=300).state == "SUCCEEDED"
+
+
 def test_fsdp_job_via_rest(service: Service) -> None:
     with service.client() as c:
         job = c.wait(c.submit(example("gpt2-fsdp.yaml", steps=8, checkpoint_every=4)).id, timeout=300)

@@ -1,0 +1,86 @@
+"""What the dispatcher needs of a cluster, as a typed Protocol: `RayJobs` (service/ray_jobs.py) implements it against
+Ray, `NoopJobs` (service/noop_backend.py) for queue stress tests and fault injection. The views it returns and the
+deterministic Ray submission id live here too, so every module names them the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from service import resources
+
+RAY_TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
+SUBMISSION_PREFIX = "shunter-"
+
+
+def submission_id(job_id: str, attempt: int) -> str:
+    """One Ray Job per attempt, named so a restarted dispatcher finds (adopts) it instead of submitting it twice."""
+    return f"{SUBMISSION_PREFIX}{job_id}-{attempt}"
+
+
+@dataclass(frozen=True)
+class RayJobInfo:
+    submission_id: str
+    status: str  # PENDING | RUNNING | STOPPED | SUCCEEDED | FAILED
+    message: str | None = None
+    error_type: str | None = None
+    driver_exit_code: int | None = None
+    start_time: int | None = None
+    end_time: int | None = None
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in RAY_TERMINAL
+
+
+@dataclass
+class NodeView:
+    node_id: str
+    address: str
+    alive: bool
+    total: dict[str, float] = field(default_factory=dict)
+    available: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ClusterView:
+    nodes: list[NodeView]
+
+    @property
+    def total(self) -> dict[str, float]:
+        return resources.sum_of(n.total for n in self.nodes if n.alive)
+
+    @property
+    def available(self) -> dict[str, float]:
+        return resources.sum_of(n.available for n in self.nodes if n.alive)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A cluster that runs one job per submission id. Errors it cannot answer through are `InfraError`."""
+
+    dashboard_url: str
+    gcs_address: str | None
+
+    def close(self) -> None: ...
+
+    def ping(self) -> bool: ...
+
+    def info(self, submission_id: str) -> RayJobInfo | None:
+        """The job's status, or None if the cluster has no job of that id."""
+        ...
+
+    def submit(
+        self, *, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]
+    ) -> bool:
+        """Submit unless the id exists: True if submitted now, False if an existing job was adopted."""
+        ...
+
+    def stop(self, submission_id: str) -> bool: ...
+
+    def logs(self, submission_id: str) -> str | None: ...
+
+    def list_submission_ids(self, prefix: str = SUBMISSION_PREFIX) -> list[str]: ...
+
+    def cluster(self) -> ClusterView: ...

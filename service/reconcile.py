@@ -1,0 +1,147 @@
+"""What to do next with one admitted job, given what the database and Ray say about it. Pure: no I/O, no clock.
+
+The dispatcher gathers the facts (`JobFacts`, `AttemptFacts`, Ray's `RayJobInfo` or None), calls `decide`, and
+executes the actions it returns in order; the table test in tests/service/test_reconcile.py covers state x Ray status
+x cancel x timeout x preemption x lease x submission patience in milliseconds.
+
+Possible outcomes, by state (the state changes themselves happen in `Finish` and `MarkRunning`):
+- STARTING, not yet submitted: Submit; Finish(infra) once submission has failed for `submit_seconds`.
+- STARTING/RUNNING, Ray running: Wait; MarkRunning on the first report; Stop(timeout | preempted | user_error).
+- any, Ray ended: Finish(reason), where the retry policy then decides between QUEUED and an end state.
+- CANCELLING: Stop until Ray ends it, then Finish(cancelled) (or the job's true end, if it finished first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from service.backend import RayJobInfo
+from service.models import EndReason, JobState
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    state: JobState
+    leased_to_me: bool = True
+    step: int | None = None  # last reported step of the current attempt
+    timeout_seconds: float | None = None
+    preempt_requested_at: datetime | None = None
+    checkpointed_since_preempt: bool = False  # a complete checkpoint arrived after the preemption request
+    spec_error: str | None = None  # the stored spec no longer validates (a row written by an older release, ...)
+
+
+@dataclass(frozen=True)
+class AttemptFacts:
+    submitted: bool
+    started_at: datetime  # admission time of this attempt
+    recorded_end: EndReason | None = None  # the driver's (or an earlier Stop's) account of why it ended
+
+
+@dataclass(frozen=True)
+class Patience:
+    submit_seconds: float = 120.0  # how long Ray may refuse a submission ("no agent yet") before the attempt fails
+    preemption_grace_seconds: float = 60.0  # how long a preempted job may take to checkpoint before it is stopped
+
+
+# ---- actions ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Wait:
+    why: str
+
+
+@dataclass(frozen=True)
+class Submit:
+    """Build the attempt's Ray Job and submit it (idempotent on the submission id)."""
+
+
+@dataclass(frozen=True)
+class MarkSubmitted:
+    """Ray has the attempt's job: record it (adopted: found there rather than submitted by this call)."""
+
+    adopted: bool = True
+
+
+@dataclass(frozen=True)
+class MarkRunning:
+    message: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Ask Ray to stop the attempt; first record why on the attempt, when there is a reason of ours."""
+
+    record: EndReason | None = None
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Close the attempt with `reason`; the retry policy then requeues the job or ends it."""
+
+    reason: EndReason
+    message: str
+    ray_status: str | None = None
+    keep_logs: bool = False  # Ray ran the attempt: copy its log out before Ray forgets it
+
+
+Action = Wait | Submit | MarkSubmitted | MarkRunning | Stop | Finish
+
+
+# ---- decisions --------------------------------------------------------------------------------------------------
+def classify(state: JobState, recorded: EndReason | None, ray: RayJobInfo) -> EndReason:
+    """Why an attempt that Ray reports ended did end: the driver's own record first, then what Ray says.
+
+    A cancel wins over every end but success: the user asked for it, and the job was stopped for it.
+    """
+    if ray.status == "SUCCEEDED":
+        return EndReason.SUCCEEDED
+    if state is JobState.CANCELLING:
+        return EndReason.CANCELLED
+    if recorded is not None:
+        return recorded
+    if ray.status == "STOPPED":
+        return EndReason.INFRA  # stopped, but not by us: an operator, or Ray's own shutdown
+    if ray.error_type and "RUNTIME_ENV" in ray.error_type.upper():
+        return EndReason.USER_ERROR  # a runtime_env the user asked for (pip, working_dir) could not be built
+    return EndReason.INFRA  # the driver died without saying why: its node or process was lost
+
+
+def decide(
+    job: JobFacts, attempt: AttemptFacts, ray: RayJobInfo | None, *, now: datetime, patience: Patience
+) -> list[Action]:
+    """The actions that bring one admitted job in line with its Ray Job, in the order to run them."""
+    if not job.leased_to_me:
+        return [Wait("held by another dispatcher")]
+    if job.state not in (JobState.STARTING, JobState.RUNNING, JobState.CANCELLING):
+        return [Wait(f"{job.state.value} needs no reconciling")]
+    waited = (now - attempt.started_at).total_seconds()
+
+    if ray is None:
+        if job.state is JobState.CANCELLING:
+            return [Finish(EndReason.CANCELLED, "cancelled before Ray started it")]
+        if job.spec_error is not None:
+            return [Finish(EndReason.USER_ERROR, job.spec_error)]
+        if attempt.submitted:
+            return [Finish(EndReason.INFRA, "Ray no longer knows this job (cluster restarted?)")]
+        if waited >= patience.submit_seconds:
+            return [Finish(EndReason.INFRA, f"Ray did not accept the submission within {patience.submit_seconds:g}s")]
+        return [Submit()]
+
+    actions: list[Action] = [] if attempt.submitted else [MarkSubmitted(adopted=True)]
+    if ray.is_terminal:
+        reason = classify(job.state, attempt.recorded_end, ray)
+        return [*actions, Finish(reason, ray.message or ray.status, ray_status=ray.status, keep_logs=True)]
+    if job.state is JobState.CANCELLING:
+        return [*actions, Stop()]
+    if job.spec_error is not None:
+        return [*actions, Stop(EndReason.USER_ERROR, job.spec_error)]
+    if job.preempt_requested_at is not None:
+        asked = (now - job.preempt_requested_at).total_seconds()
+        if job.checkpointed_since_preempt or asked >= patience.preemption_grace_seconds:
+            return [*actions, Stop(EndReason.PREEMPTED, "stopped to make room for a higher-priority job")]
+    if job.timeout_seconds is not None and waited > job.timeout_seconds:
+        return [*actions, Stop(EndReason.TIMEOUT, f"ran past timeout_seconds={job.timeout_seconds:g}")]
+    if job.state is JobState.STARTING and job.step is not None:
+        return [*actions, MarkRunning(f"workers placed; first report at step {job.step}")]
+    return [*actions, Wait(f"Ray says {ray.status}")]

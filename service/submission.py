@@ -1,0 +1,83 @@
+"""The Ray Job for one attempt: `python -m workers.driver`, with the spec and where to report in its environment.
+
+Everything here reads the job's own input (its spec, its resume id); what is wrong there raises `InvalidSpec`
+naming the field, and the dispatcher ends that job as a user error. Nothing here talks to Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from sqlmodel import Session
+
+from service.errors import InvalidSpec
+from service.models import Checkpoint, Job
+from service.settings import Settings
+from service.spec import JobSpec
+
+ENTRYPOINT = "python -m workers.driver"
+# Where the object store is, for jobs of a service that was told. Credentials are not forwarded: a Ray Job's
+# runtime_env is shown in the dashboard; give the cluster its own (instance roles, its environment).
+FORWARDED_ENV = ("SHUNTER_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION")
+
+
+@dataclass(frozen=True)
+class Submission:
+    entrypoint: str
+    runtime_env: dict[str, Any]
+    metadata: dict[str, str]
+
+
+def forwarded_environment() -> dict[str, str]:
+    return {name: os.environ[name] for name in FORWARDED_ENV if os.environ.get(name)}
+
+
+def resume_uri(session: Session, job: Job, spec: JobSpec) -> str | None:
+    """An explicit `checkpoint.resume_from: <id>` names one of the job's own complete checkpoints."""
+    number = spec.checkpoint.checkpoint_id
+    if number is None:
+        return None
+    row = session.get(Checkpoint, number)
+    if row is None or row.job_id != job.id or not row.complete:
+        raise InvalidSpec(
+            f"checkpoint.resume_from: job {job.id} has no complete checkpoint {number}", field="checkpoint.resume_from"
+        )
+    return row.uri
+
+
+def build(session: Session, job: Job, spec: JobSpec, settings: Settings) -> Submission:
+    """The attempt's entrypoint, runtime_env (the spec's, plus what the driver needs) and dashboard metadata."""
+    runtime_env = json.loads(json.dumps(spec.runtime_env))
+    env_vars: dict[str, str] = dict(runtime_env.get("env_vars", {}))
+    for name, value in settings.job_env.items():
+        env_vars.setdefault(name, str(value))
+    cpus = spec.resources.per_worker().get("CPU", 1.0)
+    # torchrun sets OMP_NUM_THREADS; Ray workers do not, and oversubscribed OpenMP threads slow steps a lot.
+    env_vars.setdefault("OMP_NUM_THREADS", str(max(1, int(cpus))))
+    env_vars.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(settings.train_poll_seconds))
+    # Object-store settings the service was given reach the job too (the spec's env_vars win).
+    for name, value in forwarded_environment().items():
+        env_vars.setdefault(name, value)
+    env_vars.update(
+        {
+            "SHUNTER_JOB_SPEC": spec.model_dump_json(),
+            "SHUNTER_JOB_ID": job.id,
+            "SHUNTER_ATTEMPT": str(job.attempt),
+            "SHUNTER_PROGRESS_DATABASE_URL": settings.absolute_database_url(),
+            "SHUNTER_JOB_STORAGE": job_storage(spec, settings),
+        }
+    )
+    resume = resume_uri(session, job, spec)
+    if resume:
+        env_vars["SHUNTER_RESUME_FROM"] = resume
+    runtime_env["env_vars"] = env_vars
+    metadata = {"shunter_job_id": job.id, "shunter_attempt": str(job.attempt), "name": job.name}
+    return Submission(ENTRYPOINT, runtime_env, metadata)
+
+
+def job_storage(spec: JobSpec, settings: Settings) -> str:
+    """Where the job's checkpoints (and its preemption notice) live."""
+    return spec.checkpoint.storage or settings.absolute_storage_uri()

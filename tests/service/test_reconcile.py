@@ -1,0 +1,189 @@
+"""The reconcile decision table: state x Ray status x cancel x timeout x preemption x lease x submission patience.
+
+Pure: no database, no Ray, no clock. Explicit rows first, then a sweep over every combination checking the rules
+that must hold whatever the row.
+"""
+
+from __future__ import annotations
+
+import itertools
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from service.backend import RayJobInfo
+from service.models import EndReason, JobState
+from service.reconcile import (
+    AttemptFacts,
+    Finish,
+    JobFacts,
+    MarkRunning,
+    MarkSubmitted,
+    Patience,
+    Stop,
+    Submit,
+    Wait,
+    classify,
+    decide,
+)
+
+NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
+PATIENCE = Patience(submit_seconds=120, preemption_grace_seconds=60)
+S, R = JobState, EndReason
+
+
+def ago(seconds: float) -> datetime:
+    return NOW - timedelta(seconds=seconds)
+
+
+def ray(status: str | None, **kw: object) -> RayJobInfo | None:
+    return None if status is None else RayJobInfo("shunter-j1-1", status, **kw)  # type: ignore[arg-type]
+
+
+def kinds(actions: list[object]) -> list[str]:
+    return [type(a).__name__ for a in actions]
+
+
+ROWS = [
+    # (name, job facts, attempt facts, Ray status, expected actions)
+    ("new attempt is submitted", JobFacts(S.STARTING), AttemptFacts(False, ago(1)), None, [Submit()]),
+    ("submission refused past patience ends infra", JobFacts(S.STARTING), AttemptFacts(False, ago(121)), None,
+     [Finish(R.INFRA, "Ray did not accept the submission within 120s")]),
+    ("Ray lost a submitted job", JobFacts(S.RUNNING), AttemptFacts(True, ago(5)), None,
+     [Finish(R.INFRA, "Ray no longer knows this job (cluster restarted?)")]),
+    ("cancelled before Ray had it", JobFacts(S.CANCELLING), AttemptFacts(False, ago(1)), None,
+     [Finish(R.CANCELLED, "cancelled before Ray started it")]),
+    ("stored spec broken, never submitted", JobFacts(S.STARTING, spec_error="spec: bad"), AttemptFacts(False, ago(1)),
+     None, [Finish(R.USER_ERROR, "spec: bad")]),
+    ("stored spec broken while running: stop it as a user error", JobFacts(S.RUNNING, spec_error="spec: bad"),
+     AttemptFacts(True, ago(1)), "RUNNING", [Stop(R.USER_ERROR, "spec: bad")]),
+    ("found in Ray, not recorded: adopt, then wait", JobFacts(S.STARTING), AttemptFacts(False, ago(1)), "PENDING",
+     [MarkSubmitted(adopted=True), Wait("Ray says PENDING")]),
+    ("first report makes it RUNNING", JobFacts(S.STARTING, step=3), AttemptFacts(True, ago(9)), "RUNNING",
+     [MarkRunning("workers placed; first report at step 3")]),
+    ("running and reporting: nothing to do", JobFacts(S.RUNNING, step=9), AttemptFacts(True, ago(9)), "RUNNING",
+     [Wait("Ray says RUNNING")]),
+    ("succeeded", JobFacts(S.RUNNING), AttemptFacts(True, ago(9)), "SUCCEEDED",
+     [Finish(R.SUCCEEDED, "SUCCEEDED", ray_status="SUCCEEDED", keep_logs=True)]),
+    ("driver recorded why it failed", JobFacts(S.RUNNING), AttemptFacts(True, ago(9), R.OUT_OF_MEMORY), "FAILED",
+     [Finish(R.OUT_OF_MEMORY, "FAILED", ray_status="FAILED", keep_logs=True)]),
+    ("driver died silently: infra", JobFacts(S.RUNNING), AttemptFacts(True, ago(9)), "FAILED",
+     [Finish(R.INFRA, "FAILED", ray_status="FAILED", keep_logs=True)]),
+    ("cancel: stop until Ray ends it", JobFacts(S.CANCELLING), AttemptFacts(True, ago(9)), "RUNNING", [Stop()]),
+    ("cancel: Ray stopped it", JobFacts(S.CANCELLING), AttemptFacts(True, ago(9)), "STOPPED",
+     [Finish(R.CANCELLED, "STOPPED", ray_status="STOPPED", keep_logs=True)]),
+    ("cancel raced a success: the true end wins", JobFacts(S.CANCELLING), AttemptFacts(True, ago(9)), "SUCCEEDED",
+     [Finish(R.SUCCEEDED, "SUCCEEDED", ray_status="SUCCEEDED", keep_logs=True)]),
+    ("cancel wins over a recorded failure", JobFacts(S.CANCELLING), AttemptFacts(True, ago(9), R.USER_ERROR),
+     "FAILED", [Finish(R.CANCELLED, "FAILED", ray_status="FAILED", keep_logs=True)]),
+    ("cancel beats timeout", JobFacts(S.CANCELLING, timeout_seconds=5), AttemptFacts(True, ago(9)), "RUNNING",
+     [Stop()]),
+    ("timeout stops the attempt", JobFacts(S.RUNNING, timeout_seconds=5), AttemptFacts(True, ago(9)), "RUNNING",
+     [Stop(R.TIMEOUT, "ran past timeout_seconds=5")]),
+    ("within timeout", JobFacts(S.RUNNING, timeout_seconds=50), AttemptFacts(True, ago(9)), "RUNNING",
+     [Wait("Ray says RUNNING")]),
+    ("timeout recorded, then Ray stopped it", JobFacts(S.RUNNING, timeout_seconds=5),
+     AttemptFacts(True, ago(9), R.TIMEOUT), "STOPPED",
+     [Finish(R.TIMEOUT, "STOPPED", ray_status="STOPPED", keep_logs=True)]),
+    ("stopped by someone else: infra", JobFacts(S.RUNNING), AttemptFacts(True, ago(9)), "STOPPED",
+     [Finish(R.INFRA, "STOPPED", ray_status="STOPPED", keep_logs=True)]),
+    ("preemption asked, no checkpoint yet, within grace", JobFacts(S.RUNNING, preempt_requested_at=ago(10)),
+     AttemptFacts(True, ago(99)), "RUNNING", [Wait("Ray says RUNNING")]),
+    ("preemption: checkpointed since, stop", JobFacts(S.RUNNING, preempt_requested_at=ago(10),
+     checkpointed_since_preempt=True), AttemptFacts(True, ago(99)), "RUNNING",
+     [Stop(R.PREEMPTED, "stopped to make room for a higher-priority job")]),
+    ("preemption: grace over, stop", JobFacts(S.RUNNING, preempt_requested_at=ago(61)), AttemptFacts(True, ago(99)),
+     "RUNNING", [Stop(R.PREEMPTED, "stopped to make room for a higher-priority job")]),
+    ("preempted job stopped: requeue reason", JobFacts(S.RUNNING, preempt_requested_at=ago(61)),
+     AttemptFacts(True, ago(99), R.PREEMPTED), "STOPPED",
+     [Finish(R.PREEMPTED, "STOPPED", ray_status="STOPPED", keep_logs=True)]),
+    ("not our lease: hands off", JobFacts(S.RUNNING, leased_to_me=False), AttemptFacts(True, ago(9)), "FAILED",
+     [Wait("held by another dispatcher")]),
+    ("not our lease, not submitted: no submission", JobFacts(S.STARTING, leased_to_me=False),
+     AttemptFacts(False, ago(1)), None, [Wait("held by another dispatcher")]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "job", "attempt", "status", "expected"), ROWS, ids=[r[0] for r in ROWS])
+def test_decide_table(
+    name: str, job: JobFacts, attempt: AttemptFacts, status: str | None, expected: list[object]
+) -> None:
+    assert decide(job, attempt, ray(status), now=NOW, patience=PATIENCE) == expected
+
+
+def test_runtime_env_failure_is_a_user_error() -> None:
+    info = RayJobInfo("shunter-j1-1", "FAILED", message="pip failed", error_type="RUNTIME_ENV_SETUP_FAILED")
+    actions = decide(JobFacts(S.STARTING), AttemptFacts(True, ago(9)), info, now=NOW, patience=PATIENCE)
+    assert actions == [Finish(R.USER_ERROR, "pip failed", ray_status="FAILED", keep_logs=True)]
+
+
+@pytest.mark.parametrize("state", [S.QUEUED, S.SUCCEEDED, S.FAILED, S.CANCELLED])
+def test_states_outside_ray_are_left_alone(state: JobState) -> None:
+    assert kinds(decide(JobFacts(state), AttemptFacts(True, ago(1)), ray("RUNNING"), now=NOW, patience=PATIENCE)) == [
+        "Wait"
+    ]
+
+
+STATES = [S.STARTING, S.RUNNING, S.CANCELLING]
+STATUSES = [None, "PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED"]
+
+
+@pytest.mark.parametrize(
+    ("state", "status", "submitted", "leased", "timed_out", "preempt", "recorded", "spec_error", "waited"),
+    list(itertools.product(STATES, STATUSES, [False, True], [False, True], [False, True],
+                           ["none", "asked", "due"], [None, R.USER_ERROR], [None, "spec: bad"], [1, 500])),
+)  # fmt: skip
+def test_sweep_rules(
+    state: JobState,
+    status: str | None,
+    submitted: bool,
+    leased: bool,
+    timed_out: bool,
+    preempt: str,
+    recorded: EndReason | None,
+    spec_error: str | None,
+    waited: float,
+) -> None:
+    job = JobFacts(
+        state, leased_to_me=leased, step=1, timeout_seconds=0.5 if timed_out else None, spec_error=spec_error,
+        preempt_requested_at=None if preempt == "none" else ago(10), checkpointed_since_preempt=preempt == "due",
+    )  # fmt: skip
+    actions = decide(job, AttemptFacts(submitted, ago(waited), recorded), ray(status), now=NOW, patience=PATIENCE)
+    names = kinds(actions)
+    # Exactly one decision ends the list, after at most one bookkeeping step.
+    assert names[-1] in {"Wait", "Submit", "Stop", "Finish", "MarkRunning"}
+    assert all(n == "MarkSubmitted" for n in names[:-1]) and len(names) <= 2
+    if not leased:
+        assert actions == [Wait("held by another dispatcher")]
+        return
+    terminal = status in ("SUCCEEDED", "FAILED", "STOPPED")
+    if status is not None:
+        assert "Submit" not in names  # never submit what Ray already has
+        assert ("MarkSubmitted" in names) == (not submitted)
+    if terminal:
+        end = actions[-1]
+        assert isinstance(end, Finish) and end.keep_logs and end.ray_status == status
+        if status == "SUCCEEDED":
+            assert end.reason is R.SUCCEEDED
+        elif state is S.CANCELLING:
+            assert end.reason is R.CANCELLED
+    if state is S.CANCELLING:
+        assert "MarkRunning" not in names and "Submit" not in names
+        if status is not None and not terminal:
+            assert actions[-1] == Stop()
+    if "Submit" in names:
+        assert status is None and not submitted and waited < PATIENCE.submit_seconds and spec_error is None
+    if spec_error is not None:
+        assert names[-1] in {"Finish", "Stop"}  # a job whose spec no longer validates never waits on
+    if status in ("PENDING", "RUNNING") and state is not S.CANCELLING and spec_error is None:
+        if preempt == "due":
+            assert actions[-1] == Stop(R.PREEMPTED, "stopped to make room for a higher-priority job")
+        elif timed_out:
+            assert actions[-1] == Stop(R.TIMEOUT, "ran past timeout_seconds=0.5")
+
+
+def test_classify_prefers_the_drivers_record_over_rays_guess() -> None:
+    failed = RayJobInfo("s", "FAILED")
+    assert classify(S.RUNNING, R.WORKER_LOST, failed) is R.WORKER_LOST
+    assert classify(S.RUNNING, None, failed) is R.INFRA
+    assert classify(S.RUNNING, R.WORKER_LOST, RayJobInfo("s", "SUCCEEDED")) is R.SUCCEEDED
