@@ -46,6 +46,18 @@ class Settings(BaseSettings):
     dispatcher_tick_seconds: float = Field(0.5, gt=0)
     lease_seconds: float = Field(15.0, gt=0)
     dispatcher_threads: int = Field(8, ge=1, le=64, description="jobs reconciled at once by one dispatcher")
+    # Attempt-scoped progress credentials (issue 12): jobs report through the API with a token signed by this key,
+    # never with the database URL. Unset: a key is made once and kept in the database, shared by every process.
+    # During a rotation, tokens signed by the previous keys are still accepted.
+    progress_secret: str | None = Field(None, repr=False)
+    progress_previous_secrets: list[str] = Field(default_factory=list, repr=False)
+    # Bounds per caller (issue 12).
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body; 413 beyond")
+    max_spec_depth: int = Field(32, ge=4, le=1000, description="deepest nesting a job spec may have")
+    max_streams_per_caller: int = Field(8, ge=1, description="concurrent follow streams per caller; 429 beyond")
+    stream_max_seconds: float = Field(3600.0, gt=0, description="a follow stream ends after this long")
+    max_code_bytes: int = Field(100 << 20, ge=1024, description="largest code archive POST /v1/code takes")
+
     # How long Ray may refuse an attempt's submission (e.g. "no agent yet" just after a head starts) before the
     # attempt ends as infra; and how long one job's reconcile may keep failing unexpectedly before that job is ended.
     submit_patience_seconds: float = Field(120.0, gt=0)
