@@ -11,16 +11,22 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy import exc as sa_exc
 from sqlalchemy import text
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 
 from api import metrics
 from api.deps import RuntimeDep
+from api.limits import BodyLimit
 from api.routes import cluster as cluster_routes
+from api.routes import code as code_routes
 from api.routes import events as events_routes
+from api.routes import internal as internal_routes
 from api.routes import jobs as jobs_routes
 from api.routes import queues as queues_routes
 from api.schemas import ReadyBody
+from api.streams import RETRY_AFTER_SECONDS, is_database_outage
 from service.errors import ShunterError
 from service.runtime import Runtime
 from service.settings import Settings
@@ -40,6 +46,15 @@ def _field_of(loc: tuple[Any, ...] | list[Any], message: str = "") -> str:
     if named and (not field or named.group(1).startswith(field)):
         return named.group(1)
     return field or "body"
+
+
+def _allowed_methods(request: Request) -> str:
+    """Every method some route of this path takes (Starlette's own `Allow` names only the first route's)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if isinstance(route, Route) and route.methods and route.matches(request.scope)[0] != Match.NONE:
+            methods |= route.methods
+    return ", ".join(sorted(methods))
 
 
 def create_app(
@@ -74,11 +89,26 @@ def create_app(
         lifespan=lifespan,
     )
 
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, per_path={"/v1/code": settings.max_code_bytes})
     registry = metrics.install(app)
 
     @app.exception_handler(ShunterError)
     async def _shunter_error(_: Request, exc: ShunterError) -> JSONResponse:
-        return JSONResponse(status_code=exc.status_code, content=exc.to_body())
+        headers = dict(getattr(exc, "headers", None) or {})  # e.g. Retry-After on a 429 (api.streams)
+        if exc.status_code == 503:
+            headers.setdefault("Retry-After", str(RETRY_AFTER_SECONDS))
+        return JSONResponse(status_code=exc.status_code, content=exc.to_body(), headers=headers or None)
+
+    async def _database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+        """The database cannot be reached (down, dropped, restarting, its pool exhausted): 503, as documented."""
+        if not is_database_outage(exc):
+            return await _unexpected(request, exc)  # a wrong statement is a bug: 500
+        log.warning("database unavailable: %s %s: %s", request.method, request.url.path, exc)
+        body = {"detail": "the database does not answer; try again", "code": "unavailable"}
+        return JSONResponse(status_code=503, content=body, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+    for db_error in (sa_exc.DBAPIError, sa_exc.TimeoutError, sa_exc.DisconnectionError):
+        app.add_exception_handler(db_error, _database_unavailable)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -91,12 +121,19 @@ def create_app(
         return JSONResponse(status_code=422, content={**body, "errors": errors})
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and "parsing the body" in str(exc.detail):
             # A body that is not even text (bad UTF-8) is invalid JSON like any other: the same 422.
             body = {"detail": "body: not valid JSON", "code": "invalid_request", "field": "body"}
             return JSONResponse(status_code=422, content=body)
-        return JSONResponse(status_code=exc.status_code, content={"detail": str(exc.detail), "code": "http_error"})
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            headers["Allow"] = _allowed_methods(request)  # RFC 9110: a 405 names what the path does allow
+        return JSONResponse(
+            status_code=exc.status_code,
+            content={"detail": str(exc.detail), "code": "http_error"},
+            headers=headers or None,
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -129,5 +166,7 @@ def create_app(
     app.include_router(events_routes.router)
     app.include_router(cluster_routes.router)
     app.include_router(queues_routes.router)
+    app.include_router(code_routes.router)
     app.include_router(metrics.router)
+    app.include_router(internal_routes.router)
     return app

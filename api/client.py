@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import fnmatch
+import os
+import tempfile
 import time
-from collections.abc import Iterator
-from typing import Any
+import zipfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any
 
 import httpx
 
@@ -30,6 +35,43 @@ def parse_sse(lines: Iterator[str]) -> Iterator[EventPublic]:
         elif not line and data:
             yield EventPublic.model_validate_json("\n".join(data))
             data = []
+
+
+# What `--working-dir` leaves out of the archive (gitignore-style names, matched against each path part).
+DEFAULT_EXCLUDES = (".git", "__pycache__", "*.pyc", ".venv", "venv", ".mypy_cache", ".pytest_cache", ".ruff_cache",
+                    ".ipynb_checkpoints", ".DS_Store", "node_modules")  # fmt: skip
+ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)  # fixed member times: the same files make the same archive (and the same URI)
+
+
+def zip_directory(directory: str | Path, out: IO[bytes], *, excludes: Sequence[str] = DEFAULT_EXCLUDES) -> int:
+    """Write `directory`'s files into `out` as a zip under one top-level folder (Ray unpacks a remote working_dir
+    without it, so the files land in the job's working directory). Returns the number of files written."""
+    root = Path(directory).resolve()
+    if not root.is_dir():
+        raise NotADirectoryError(f"{directory} is not a directory")
+
+    patterns = [p.strip("/") for p in excludes if p.strip("/")]  # "data/" and "/data" as gitignore means them
+
+    def excluded(rel: str) -> bool:
+        parts = rel.split("/")
+        return any(fnmatch.fnmatch(rel, p) or any(fnmatch.fnmatch(part, p) for part in parts) for p in patterns)
+
+    count = 0
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for current, dirs, files in os.walk(root):  # symlinked folders are not followed
+            here = Path(current)
+            dirs[:] = sorted(d for d in dirs if not excluded((here / d).relative_to(root).as_posix()))
+            for name in sorted(files):
+                path = here / name
+                rel = path.relative_to(root).as_posix()
+                if excluded(rel) or not path.is_file():
+                    continue
+                info = zipfile.ZipInfo(f"{root.name or 'code'}/{rel}", date_time=ZIP_EPOCH)
+                info.external_attr = ((path.stat().st_mode & 0o777) | 0o100000) << 16
+                info.compress_type = zipfile.ZIP_DEFLATED
+                archive.writestr(info, path.read_bytes())
+                count += 1
+    return count
 
 
 class Client:
@@ -59,6 +101,26 @@ class Client:
     def submit(self, spec: dict[str, Any], *, idempotency_key: str | None = None) -> JobPublic:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         return JobPublic.model_validate(self._call("POST", "/v1/jobs", json=spec, headers=headers))
+
+    def upload_code(self, archive: bytes | IO[bytes]) -> dict[str, Any]:
+        """`POST /v1/code`: store a zip archive; returns {"uri", "sha256", "size"}."""
+        return dict(self._call("POST", "/v1/code", content=archive, headers={"Content-Type": "application/zip"}))
+
+    def upload_directory(self, directory: str | Path, *, excludes: Sequence[str] = DEFAULT_EXCLUDES) -> dict[str, Any]:
+        """Zip `directory` (minus `excludes`) and upload it; the answer's `uri` is a `runtime_env.working_dir`."""
+        with tempfile.TemporaryFile() as handle:
+            zip_directory(directory, handle, excludes=excludes)
+            handle.seek(0)
+            return self.upload_code(handle.read())
+
+    def submit_with_working_dir(
+        self, spec: dict[str, Any], directory: str | Path, *, idempotency_key: str | None = None
+    ) -> JobPublic:
+        """`shunter submit --working-dir DIR`: upload DIR, submit the spec with its URI as runtime_env.working_dir."""
+        runtime_env = dict(spec.get("runtime_env") or {})
+        excludes = [*DEFAULT_EXCLUDES, *(runtime_env.get("excludes") or [])]
+        runtime_env["working_dir"] = self.upload_directory(directory, excludes=excludes)["uri"]
+        return self.submit({**spec, "runtime_env": runtime_env}, idempotency_key=idempotency_key)
 
     def get(self, job_id: str) -> JobPublic:
         return JobPublic.model_validate(self._call("GET", f"/v1/jobs/{job_id}"))
@@ -126,12 +188,16 @@ class Client:
         params = {"name": name} if name else {}
         return [MetricPoint.model_validate(m) for m in self._call("GET", f"/v1/jobs/{job_id}/metrics", params=params)]
 
-    def logs(self, job_id: str, *, attempt: int | None = None) -> str:
-        params = {"attempt": attempt} if attempt else {}
+    def logs(self, job_id: str, *, attempt: int | None = None, tail: int | None = None) -> str:
+        """The attempt's log; with `tail`, only its last lines."""
+        params = {k: v for k, v in {"attempt": attempt, "tail": tail}.items() if v}
         return str(self._call("GET", f"/v1/jobs/{job_id}/logs", params=params))
 
-    def follow_logs(self, job_id: str, *, attempt: int | None = None) -> Iterator[str]:
-        params: dict[str, Any] = {"follow": "true", **({"attempt": attempt} if attempt else {})}
+    def follow_logs(self, job_id: str, *, attempt: int | None = None, tail: int | None = None) -> Iterator[str]:
+        params: dict[str, Any] = {
+            "follow": "true",
+            **{k: v for k, v in {"attempt": attempt, "tail": tail}.items() if v},
+        }
         with self.http.stream("GET", f"/v1/jobs/{job_id}/logs", params=params, timeout=None) as r:
             if r.status_code >= 400:
                 r.read()

@@ -88,17 +88,29 @@ def submit(
     idempotency_key: Annotated[str | None, typer.Option("--idempotency-key")] = None,
     watch_it: Annotated[bool, typer.Option("--watch", "-w", help="then watch it to the end")] = False,
     as_json: JsonOpt = False,
+    working_dir: Annotated[
+        Path | None,
+        typer.Option("--working-dir", help="zip this folder, upload it (POST /v1/code), run the job in it"),
+    ] = None,
 ) -> None:
     """Queue a job; prints its id."""
+    spec = _load_spec(file)
     with _client(server, token) as c:
         try:
-            job = c.submit(_load_spec(file), idempotency_key=idempotency_key)
+            if working_dir is None:
+                job = c.submit(spec, idempotency_key=idempotency_key)
+            else:
+                job = c.submit_with_working_dir(spec, working_dir, idempotency_key=idempotency_key)
         except ApiError as exc:
             if exc.body.get("errors"):
                 for e in exc.body["errors"]:
                     err.print(f"[red]{e['field']}[/red]: {e['message']}")
             _fail(exc)
             return
+        except OSError as exc:  # --working-dir: not a folder, unreadable
+            _fail(exc)
+        except httpx.HTTPError as exc:
+            _fail(RuntimeError(f"cannot reach the shunter API at {server}: {exc}"))
     if as_json:
         _print_json(job)
     else:
@@ -169,17 +181,18 @@ def logs(
     job_id: str,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="stream until the job ends")] = False,
     attempt: Annotated[int | None, typer.Option(help="which attempt (default: the latest)")] = None,
+    tail: Annotated[int | None, typer.Option("--tail", "-n", min=1, help="only the last N lines")] = None,
     server: ServerOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
     """The job's driver and worker output."""
     with _calling(server, token) as c:
         if follow:
-            for chunk in c.follow_logs(job_id, attempt=attempt):
+            for chunk in c.follow_logs(job_id, attempt=attempt, tail=tail):
                 sys.stdout.write(chunk)
                 sys.stdout.flush()
         else:
-            sys.stdout.write(c.logs(job_id, attempt=attempt))
+            sys.stdout.write(c.logs(job_id, attempt=attempt, tail=tail))
 
 
 def _event_row(table: Table, e: EventPublic) -> None:

@@ -25,7 +25,12 @@ def get_settings_dep(request: Request) -> Settings:
 
 
 def get_session(request: Request, runtime: Annotated[Runtime, Depends(get_runtime)]) -> Iterator[Session]:
-    """A session per request; requests that change state get a write transaction from the start."""
+    """A session per request; requests that change state get a write transaction from the start.
+
+    Used with `scope="function"` (SessionDep): the session is committed and closed, and its pooled connection given
+    back, as soon as the route has returned, before the response is sent. A follow stream therefore holds no
+    connection while it streams (it opens a short session per poll); with FastAPI's default ("request") scope the
+    session would stay open until the last byte of a StreamingResponse, hours for a follow."""
     with session_scope(runtime.engine, write=request.method not in ("GET", "HEAD", "OPTIONS")) as session:
         yield session
 
@@ -34,7 +39,8 @@ def get_caller(
     settings: Annotated[Settings, Depends(get_settings_dep)],
     authorization: Annotated[str | None, Header()] = None,
 ) -> Caller:
-    """Without configured tokens everyone is an admin (loopback use); with them a valid Bearer token is required."""
+    """Without configured tokens everyone is an admin (loopback use); with them a valid Bearer token is required,
+    and the caller is what its `TokenInfo` grants."""
     tokens = settings.api_tokens
     if not tokens:
         return Caller(owner="anonymous", admin=True)
@@ -48,10 +54,11 @@ def get_caller(
             match = info
     if match is None:
         raise Unauthorized("unknown token")
-    return Caller(owner=str(match.get("owner", "unknown")), admin=bool(match.get("admin", False)))
+    queues = tuple(match.queues) if match.queues is not None else None
+    return Caller(owner=match.owner, admin=match.admin, team=match.team, queues=queues, max_priority=match.max_priority)
 
 
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
-SessionDep = Annotated[Session, Depends(get_session)]
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 CallerDep = Annotated[Caller, Depends(get_caller)]
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]

@@ -147,11 +147,25 @@ class ReadyBody(BaseModel):
 
 
 _ERROR = {"model": ErrorBody}
+_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before trying again", "schema": {"type": "string"}}}
 # Documented on every /v1 route: what the one error handler can answer, all in the ErrorBody shape.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: {**_ERROR, "description": "no or unknown bearer token (when tokens are configured)"},
+    403: {**_ERROR, "description": "the caller may not do this (e.g. an admin-only change)"},
     404: {**_ERROR, "description": "no such job, or not the caller's"},
     409: {**_ERROR, "description": "conflicts with the job's state or an idempotency key"},
     422: {**_ERROR, "description": "invalid request; `field` names the problem"},
-    503: {**_ERROR, "description": "Ray or the database does not answer; try again"},
+    503: {
+        **_ERROR,
+        "description": "Ray or the database does not answer; try again",
+        "headers": _RETRY_AFTER,
+    },
+}
+# Documented on the endpoints that can stream (`follow=true`).
+STREAM_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    429: {
+        **_ERROR,
+        "description": "the caller already holds `max_streams_per_caller` follow streams in this API process",
+        "headers": _RETRY_AFTER,
+    },
 }

@@ -79,7 +79,7 @@ def admit(
                 leases.set_reason(session, job_id, why)
         running = [
             scheduler.Running(j.id, j.priority, j.created_at.timestamp(), resources_of(j),
-                              yielding=j.preempt_requested_at is not None)
+                              yielding=j.preempt_requested_at is not None, queue=j.queue)
             for j in active
         ]  # fmt: skip
         chosen = scheduler.preemption(decision, candidates, running, dict(cluster.available), limits=limits)

@@ -10,7 +10,7 @@ from datetime import datetime
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from service import resources
+from service import auth, resources, tenancy
 from service.errors import Conflict, InvalidSpec, NotFound, StaleWrite
 from service.models import Attempt, Checkpoint, ClusterSnapshot, EventKind, Job, JobEvent, JobState, Metric
 from service.settings import Settings
@@ -24,6 +24,9 @@ class Caller:
 
     owner: str = "anonymous"
     admin: bool = True
+    team: str | None = None
+    queues: tuple[str, ...] | None = None  # the queues a non-admin may submit to; None: any
+    max_priority: int | None = None  # the highest priority a non-admin may ask for; None: any
 
     def may_see(self, job: Job) -> bool:
         return self.admin or job.owner == self.owner
@@ -89,6 +92,13 @@ def submit(
 
     A job the cluster can never hold is refused (422), or, when `cluster_may_grow`, held with that reason.
     """
+    auth.check_submit(caller, queue=spec.queue, priority=spec.priority)
+    too_deep = spec.nesting_problem(settings.max_spec_depth) if settings is not None else None
+    if too_deep:
+        field, where = too_deep
+        message = f"nested deeper than {settings.max_spec_depth} levels, this service's max_spec_depth (at {where})"
+        raise InvalidSpec(f"{field}: {message}", field=field)
+    tenancy.check_spec(spec, caller, settings)
     digest = spec_hash(spec)
     if idempotency_key:
         existing = session.exec(
@@ -206,6 +216,7 @@ def retry(session: Session, job_id: str, *, caller: Caller) -> Job:
     state = JobState(job.state)
     if state not in (JobState.FAILED, JobState.CANCELLED):
         raise Conflict(f"job {job_id} is {state.value}; only FAILED or CANCELLED jobs can be retried")
+    auth.check_submit(caller, queue=job.queue, priority=job.priority)
     return transition(
         session,
         job,

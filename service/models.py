@@ -238,3 +238,15 @@ class QueueConfig(SQLModel, table=True):
     max_gpus: float | None = None
     preemption: bool = False
     updated_at: datetime = Field(default_factory=utcnow, sa_column=_tz())
+
+
+class ProgressKey(SQLModel, table=True):
+    """A key that signs attempt tokens (`service.attempt_tokens`), made when `SHUNTER_PROGRESS_SECRET` is unset.
+    All stored keys are accepted; the newest whose `active_from` has passed signs new tokens."""
+
+    __tablename__ = "progress_keys"
+
+    kid: str = Field(primary_key=True, max_length=32)
+    secret: str = Field(sa_column=Column(Text, nullable=False))
+    created_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime(), nullable=False))
+    active_from: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime(), nullable=False))

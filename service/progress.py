@@ -1,4 +1,5 @@
-"""Progress written from inside Ray (the job's Train controller and driver), fenced by attempt.
+"""Progress of a job's attempt, fenced by attempt. The job (its Train controller and driver) sends it to the internal
+API with its attempt token (`api/routes/internal.py`), which calls these; a job never holds a database URL.
 
 A write lands only while the job is still on the attempt that reports it and not ended, so a zombie of an old
 attempt can never overwrite the progress of the new one. These writes never touch `Job.state`.
@@ -6,7 +7,6 @@ attempt can never overwrite the progress of the new one. These writes never touc
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -14,14 +14,9 @@ from sqlalchemy import update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from service.db import begin_write, make_engine
+from service.db import begin_write
 from service.models import ACTIVE_STATES, Attempt, Checkpoint, EndReason, EventKind, Job, JobEvent, Metric, utcnow
 from service.state import record_event
-
-
-@functools.lru_cache(maxsize=4)
-def engine_for(url: str) -> Engine:
-    return make_engine(url)
 
 
 def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
@@ -136,8 +131,9 @@ def attempt_reported(engine: Engine, *, job_id: str, attempt: int) -> bool:
     return False
 
 
-def record_attempt_end(engine: Engine, *, job_id: str, attempt: int, reason: EndReason, message: str) -> None:
-    """The driver's own account of why its attempt ended; the dispatcher prefers it to guessing from Ray."""
+def record_attempt_end(engine: Engine, *, job_id: str, attempt: int, reason: EndReason, message: str) -> bool:
+    """The driver's own account of why its attempt ended; the dispatcher prefers it to guessing from Ray. False when
+    the attempt's end was already recorded (or it has no row)."""
     with Session(engine) as session:
         begin_write(session)
         row = session.exec(select(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt)).first()
@@ -146,3 +142,5 @@ def record_attempt_end(engine: Engine, *, job_id: str, attempt: int, reason: End
             row.message = message[-4000:]
             session.add(row)
             session.commit()
+            return True
+    return False

@@ -54,9 +54,29 @@ def _temp_dir_for(data_dir: Path) -> str:
     return f"/tmp/shunter-ray-{digest}"
 
 
+# The environment of a local head is allow-listed: Ray's processes, and so every job's driver and workers, inherit it,
+# and nothing of the service's may reach a job (SHUNTER_DATABASE_URL, SHUNTER_API_TOKENS, SHUNTER_PROGRESS_SECRET,
+# AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, HF_TOKEN, ...). What passes: these names, and the
+# names starting with HEAD_ENV_PREFIXES. Jobs write `s3://` checkpoints with the cluster's own credentials (an instance
+# role, or the default credentials file of the user running the head), never with the service's.
+HEAD_ENV_NAMES = frozenset(
+    {
+        "PATH", "HOME", "USER", "LOGNAME", "SHELL", "HOSTNAME", "TERM", "TZ", "LANG", "LANGUAGE",
+        "TMPDIR", "TEMP", "TMP", "PYTHONPATH", "PYTHONUNBUFFERED", "VIRTUAL_ENV", "LD_LIBRARY_PATH",
+        "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS", "TOKENIZERS_PARALLELISM",
+        "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE",
+        "TORCH_HOME", "TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES",
+        "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE",
+        # where the object store is (not who may use it): as service.submission.FORWARDED_ENV
+        "SHUNTER_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION",
+    }
+)  # fmt: skip
+HEAD_ENV_PREFIXES = ("LC_", "RAY_", "OMP_", "MKL_", "CUDA_", "NCCL_", "GLOO_")
+
+
 def head_environment(extra_pythonpath: str | None = None) -> dict[str, str]:
-    """The environment Ray's processes (and so each job's driver) inherit."""
-    env = dict(os.environ)
+    """The environment Ray's processes (and so each job's driver) inherit: the allow-listed part of this one."""
+    env = {k: v for k, v in os.environ.items() if k in HEAD_ENV_NAMES or k.startswith(HEAD_ENV_PREFIXES)}
     bin_dir = str(Path(sys.executable).parent)
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
     # Ray Train aborts gracefully on SIGINT; the default SIGTERM is ignored by the driver and escalated to a kill.

@@ -168,6 +168,7 @@ class Running:
     seq: float  # creation time: among equals, the newest yields first
     total: dict[str, float]
     yielding: bool = False  # already asked to yield
+    queue: str = "default"
 
 
 def preemption(
@@ -175,9 +176,10 @@ def preemption(
     *, limits: dict[str, QueueLimit] | None = None,
 ) -> tuple[Candidate, list[str]] | None:  # fmt: skip
     """Which running jobs should yield, and to whom: the first queued job (in admission order) that waits for room, in
-    a queue that allows preemption, gets lower-priority jobs stopped, lowest priority first and newest first, until
-    the freed room could hold its whole group. One preemption at a time: None while an earlier one is in flight, and
-    None when stopping every lower-priority job would still not make room.
+    a queue that allows preemption, gets lower-priority jobs of its own queue stopped, lowest priority first and newest
+    first, until the freed room could hold its whole group. Never a job of another queue (whatever its priority), nor
+    one of equal or higher priority. One preemption at a time: None while an earlier one is in flight, and None when
+    stopping every lower-priority job of its queue would still not make room.
     """
     limits = limits or {}
     blocked = next(
@@ -189,7 +191,8 @@ def preemption(
         return None
     need, room = blocked.total(), dict(free)
     victims: list[str] = []
-    for job in sorted((r for r in running if r.priority < blocked.priority), key=lambda r: (r.priority, -r.seq)):
+    eligible = (r for r in running if r.queue == blocked.queue and r.priority < blocked.priority)
+    for job in sorted(eligible, key=lambda r: (r.priority, -r.seq)):
         if resources.fits(room, need):
             break
         victims.append(job.job_id)

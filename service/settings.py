@@ -12,6 +12,9 @@ from typing import Any
 from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.auth import TokenInfo
+from service.spec import MAX_SPEC_DEPTH, QUEUE_NAME
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SHUNTER_", env_file=".env", extra="ignore")
@@ -29,7 +32,8 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=1, le=65535)
-    api_tokens: dict[str, dict[str, Any]] | None = None
+    # {"<token>": {"owner": "alice", "admin": false, "team": null, "queues": null, "max_priority": null}}: TokenInfo
+    api_tokens: dict[str, TokenInfo] | None = None
     public_url: str | None = Field(None, description="how Ray workers reach this API; default http://host:port")
 
     # Merged into every job's runtime_env.env_vars (the spec's own values win), e.g. cluster-wide NCCL settings.
@@ -53,7 +57,7 @@ class Settings(BaseSettings):
     progress_previous_secrets: list[str] = Field(default_factory=list, repr=False)
     # Bounds per caller (issue 12).
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body; 413 beyond")
-    max_spec_depth: int = Field(32, ge=4, le=1000, description="deepest nesting a job spec may have")
+    max_spec_depth: int = Field(32, ge=4, le=MAX_SPEC_DEPTH, description="deepest nesting a job spec may have")
     max_streams_per_caller: int = Field(8, ge=1, description="concurrent follow streams per caller; 429 beyond")
     stream_max_seconds: float = Field(3600.0, gt=0, description="a follow stream ends after this long")
     max_code_bytes: int = Field(100 << 20, ge=1024, description="largest code archive POST /v1/code takes")
@@ -79,6 +83,22 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             empty = None if info.field_name == "api_tokens" else {}
             return json.loads(value) if value.strip() else empty
+        return value
+
+    @field_validator("api_tokens")
+    @classmethod
+    def _token_keys(cls, value: dict[str, TokenInfo] | None) -> dict[str, TokenInfo] | None:
+        for token in value or {}:
+            if not token or token != token.strip() or " " in token:
+                raise ValueError("a token must be non-empty and hold no spaces (it is sent as 'Bearer <token>')")
+        return value
+
+    @field_validator("queues")
+    @classmethod
+    def _queue_names(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        for name in value:
+            if not QUEUE_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not a queue name (lowercase letters, digits, '_' or '-')")
         return value
 
     def resolved_dispatcher_id(self, *, stable: bool = False) -> str:

@@ -12,7 +12,8 @@ import re
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from service import resources
 from service.strategy import StrategySpec, check_finite
@@ -20,6 +21,15 @@ from service.strategy import StrategySpec, check_finite
 # Matched with fullmatch: `$` would also accept a trailing newline.
 _CALLABLE = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+QUEUE_PATTERN = r"[a-z0-9][a-z0-9_-]{0,63}"
+QUEUE_NAME = re.compile(QUEUE_PATTERN)
+PRIORITY_MIN, PRIORITY_MAX = -1000, 1000
+# Ray counts resources in steps of 0.0001: a smaller CPU or GPU amount is a worker that holds nothing, which would
+# escape both Ray's admission and a queue's max_cpus / max_gpus.
+MIN_AMOUNT = 0.0001
+# How deep a spec (the request body is level 1) may nest: `Settings.max_spec_depth` at submission, and never more
+# than this (pydantic cannot serialise a value nested much deeper than 250 levels).
+MAX_SPEC_DEPTH = 200
 _MEMORY = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE | re.ASCII)
 # A checkpoint id: a positive integer that fits a 64-bit database column (ASCII digits only; "²".isdigit() is true).
 _CHECKPOINT_ID = re.compile(r"[1-9][0-9]{0,17}")
@@ -44,11 +54,40 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
 
+def field_error(loc: tuple[str | int, ...], message: str, value: Any, title: str = "JobSpec") -> ValidationError:
+    """A validation error at `loc` below the field being validated (a validator that raises it names a key the
+    plain ValueError could not, e.g. resources.resources_per_worker.CPU)."""
+    error = PydanticCustomError("value_error", "{reason}", {"reason": message})
+    return ValidationError.from_exception_data(title, [{"type": error, "loc": loc, "input": value}])
+
+
+def _too_deep(value: Any, limit: int, where: str) -> str | None:
+    """The path of the first object or array of `value` nested deeper than `limit` levels (`value` itself is level 1),
+    or None. A loop, not recursion: the input may be nested thousands of levels deep."""
+    stack = [(value, where, 1)]
+    while stack:
+        item, path, depth = stack.pop()
+        if isinstance(item, BaseModel):
+            children = [(getattr(item, k), f"{path}.{k}".lstrip(".")) for k in type(item).model_fields]
+        elif isinstance(item, dict):
+            children = [(v, f"{path}.{k}") for k, v in item.items()]
+        elif isinstance(item, list | tuple):
+            children = [(v, f"{path}[{i}]") for i, v in enumerate(item)]
+        else:
+            continue
+        if depth > limit:
+            return path
+        stack.extend((child, child_path, depth + 1) for child, child_path in children)
+    return None
+
+
 def parse_memory(value: str | int | float) -> int:
     """'64GiB' -> bytes. Plain numbers are bytes, as Ray counts memory."""
+    if isinstance(value, bool):
+        raise ValueError(f"memory must be a number of bytes or a size like 64GiB, got {value!r}")
     if isinstance(value, int | float):
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"memory must be a finite number of bytes, got {value!r}")
+        if not _fits_float(value):
+            raise ValueError(f"memory must be a finite number of bytes, got {_shown(value)}")
         if value < 0:
             raise ValueError("memory must not be negative")
         return int(value)
@@ -62,13 +101,83 @@ def parse_memory(value: str | int | float) -> int:
     return int(size)
 
 
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _fits_float(value: int | float) -> bool:
+    """A finite number that also fits a float (a 400-digit integer does not: float() of it is an OverflowError)."""
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _amount_problem(key: str, amount: Any, use_gpu: bool | None) -> str | None:
+    """What is wrong with one `resources_per_worker` amount, or None."""
+    if key == "memory":
+        try:
+            parse_memory(amount)
+        except (TypeError, ValueError) as exc:
+            return str(exc)
+        return None
+    if isinstance(amount, bool) or not isinstance(amount, int | float):
+        return f"must be a number, got {_shown(amount)}"
+    if not _fits_float(amount):
+        return f"must be a finite number, got {_shown(amount)}"
+    if amount < 0:
+        return f"must not be negative, got {_shown(amount)}"
+    if key == "CPU" and amount < MIN_AMOUNT:
+        return f"must be at least {MIN_AMOUNT}: a worker holding no CPU escapes admission and max_cpus (got {amount})"
+    if key == "GPU" and use_gpu is False and amount > 0:
+        return "is set but use_gpu is false; set resources.use_gpu: true"
+    if key == "GPU" and use_gpu and amount < MIN_AMOUNT:
+        return f"must be at least {MIN_AMOUNT} with use_gpu: true; leave it out for 1 GPU per worker (got {amount})"
+    return None
+
+
+# The entrypoint's rules in its JSON schema, so a client (or a fuzzer) reading the OpenAPI document knows them:
+# exactly one of callable / script / recipe is given (an empty script counts as not given), and args only with a
+# script. Each branch is what `Entrypoint._exactly_one` accepts, no more and no less.
+_SCRIPT_NOT_GIVEN = {"anyOf": [{"type": "null"}, {"const": ""}]}
+_ENTRYPOINT_ONE_OF = [
+    {
+        "title": "callable",
+        "required": ["callable"],
+        "properties": {"callable": {"type": "string"}, "script": _SCRIPT_NOT_GIVEN, "recipe": {"type": "null"},
+                       "args": {"maxItems": 0}},
+    },
+    {
+        "title": "script",
+        "required": ["script"],
+        "properties": {"script": {"type": "string", "minLength": 1}, "callable": {"type": "null"},
+                       "recipe": {"type": "null"}},
+    },
+    {
+        "title": "recipe",
+        "required": ["recipe"],
+        "properties": {"recipe": {"type": "string"}, "callable": {"type": "null"}, "script": _SCRIPT_NOT_GIVEN,
+                       "args": {"maxItems": 0}},
+    },
+]  # fmt: skip
+
+
 class Entrypoint(StrictModel):
     """Exactly one of: a train loop callable, an unchanged torchrun-style script, a built-in recipe."""
 
-    callable: str | None = Field(None, description="`module:function`, a train_loop_per_worker(config)")
+    model_config = ConfigDict(json_schema_extra={"oneOf": _ENTRYPOINT_ONE_OF})
+
+    callable: str | None = Field(
+        None,
+        description="`module:function`, a train_loop_per_worker(config)",
+        json_schema_extra={"pattern": f"^{_CALLABLE.pattern}$"},
+    )
     script: str | None = Field(None, description="path of a torchrun-style script, run in every worker")
     args: list[str] = Field(default_factory=list, description="arguments for `script`")
-    recipe: str | None = Field(None, description="a built-in recipe: causal-lm")
+    recipe: str | None = Field(
+        None, description="a built-in recipe: causal-lm", json_schema_extra={"enum": [*RECIPES, None]}
+    )
 
     @field_validator("callable")
     @classmethod
@@ -117,22 +226,19 @@ class Resources(StrictModel):
     resources_per_worker: dict[str, float | int | str] = Field(default_factory=dict)
     placement: Placement = Placement.pack
 
-    @field_validator("resources_per_worker")
+    @field_validator("resources_per_worker", mode="before")
     @classmethod
-    def _amounts(cls, value: dict[str, float | int | str]) -> dict[str, float | int | str]:
+    def _amounts(cls, value: Any, info: ValidationInfo) -> Any:
+        """Each amount is checked before the type (so a bool is not read as 1, nor 1e999 as three union errors),
+        and each error names its key."""
+        if not isinstance(value, dict):
+            return value  # the type check says what is wrong
+        use_gpu = info.data.get("use_gpu")  # absent when use_gpu itself was invalid
         for key, amount in value.items():
-            if key == "memory":
-                parse_memory(amount)
-            elif isinstance(amount, str) or amount < 0:
-                raise ValueError(f"{key}: amount must be a non-negative number, got {amount!r}")
+            problem = _amount_problem(str(key), amount, use_gpu)
+            if problem:
+                raise field_error((str(key),), problem, amount, "Resources")
         return value
-
-    @model_validator(mode="after")
-    def _gpu_consistent(self) -> Resources:
-        gpus = self.resources_per_worker.get("GPU")
-        if gpus and not self.use_gpu:
-            raise ValueError("resources_per_worker.GPU is set but use_gpu is false")
-        return self
 
     def per_worker(self) -> dict[str, float]:
         """The Ray resources one worker holds, with shunter's defaults filled in (1 CPU; 1 GPU if use_gpu)."""
@@ -180,8 +286,8 @@ class JobSpec(StrictModel):
     """What a user submits (YAML or JSON)."""
 
     name: str = Field("job", description="a label; need not be unique")
-    queue: str = Field("default", pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$")
-    priority: int = Field(0, ge=-1000, le=1000)
+    queue: str = Field("default", pattern="^" + QUEUE_PATTERN + "$")
+    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     entrypoint: Entrypoint
     config: dict[str, Any] = Field(default_factory=dict, description="handed to the train loop / recipe")
     strategy: StrategySpec = Field(default_factory=StrategySpec)
@@ -220,4 +326,23 @@ class JobSpec(StrictModel):
     @model_validator(mode="after")
     def _cross_checks(self) -> JobSpec:
         self.strategy.check_against(use_gpu=self.resources.use_gpu, num_workers=self.resources.num_workers)
+        too_deep = self.nesting_problem(MAX_SPEC_DEPTH)
+        if too_deep:
+            field, where = too_deep
+            message = f"nested deeper than {MAX_SPEC_DEPTH} levels, the most any spec may have (at {where})"
+            raise field_error(tuple(field.split(".")), message, None)
         return self
+
+    def nesting_problem(self, limit: int) -> tuple[str, str] | None:
+        """(the field, where) when the spec nests deeper than `limit` objects and arrays, the spec being level 1."""
+        path = _too_deep(self, limit, "")
+        if path is None:
+            return None
+        # The field: the spec's own fields down to the free-form value (config, runtime_env, a DeepSpeed config).
+        field = path.split("[", 1)[0]
+        for free_form in ("strategy.deepspeed.config", "config", "runtime_env"):
+            if field == free_form or field.startswith(free_form + "."):
+                field = free_form
+                break
+        shown = path if len(path) <= 120 else path[:117] + "..."
+        return field, shown

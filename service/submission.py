@@ -1,4 +1,8 @@
-"""The Ray Job for one attempt: `python -m workers.driver`, with the spec and where to report in its environment.
+"""The Ray Job for one attempt: `python -m workers.driver`, with where and how to report in its environment.
+
+A job runs users' code, and its runtime_env shows in the Ray dashboard: it carries nothing of the service's (no
+database URL, API token, progress secret or cloud key), only the attempt's own token (`service.attempt_tokens`) and
+the API's address, through which the job reads its spec and reports its progress.
 
 Everything here reads the job's own input (its spec, its resume id); what is wrong there raises `InvalidSpec`
 naming the field, and the dispatcher ends that job as a user error. Nothing here talks to Ray.
@@ -13,6 +17,7 @@ from typing import Any
 
 from sqlmodel import Session
 
+from service import attempt_tokens, tenancy
 from service.errors import InvalidSpec
 from service.models import Checkpoint, Job
 from service.settings import Settings
@@ -51,7 +56,8 @@ def resume_uri(session: Session, job: Job, spec: JobSpec) -> str | None:
 def build(session: Session, job: Job, spec: JobSpec, settings: Settings) -> Submission:
     """The attempt's entrypoint, runtime_env (the spec's, plus what the driver needs) and dashboard metadata."""
     runtime_env = json.loads(json.dumps(spec.runtime_env))
-    env_vars: dict[str, str] = dict(runtime_env.get("env_vars", {}))
+    # Reserved names are refused at submission; a spec stored before that rule must not set them either.
+    env_vars = {k: v for k, v in runtime_env.get("env_vars", {}).items() if not tenancy.is_reserved(k)}
     for name, value in settings.job_env.items():
         env_vars.setdefault(name, str(value))
     cpus = spec.resources.per_worker().get("CPU", 1.0)
@@ -61,13 +67,14 @@ def build(session: Session, job: Job, spec: JobSpec, settings: Settings) -> Subm
     # Object-store settings the service was given reach the job too (the spec's env_vars win).
     for name, value in forwarded_environment().items():
         env_vars.setdefault(name, value)
+    key = attempt_tokens.keys_for(session.get_bind(), settings).current
     env_vars.update(
         {
-            "SHUNTER_JOB_SPEC": spec.model_dump_json(),
             "SHUNTER_JOB_ID": job.id,
             "SHUNTER_ATTEMPT": str(job.attempt),
-            "SHUNTER_PROGRESS_DATABASE_URL": settings.absolute_database_url(),
             "SHUNTER_JOB_STORAGE": job_storage(spec, settings),
+            "SHUNTER_PROGRESS_URL": progress_url(settings),
+            "SHUNTER_ATTEMPT_TOKEN": attempt_tokens.issue(job.id, job.attempt, key),
         }
     )
     resume = resume_uri(session, job, spec)
@@ -76,6 +83,17 @@ def build(session: Session, job: Job, spec: JobSpec, settings: Settings) -> Subm
     runtime_env["env_vars"] = env_vars
     metadata = {"shunter_job_id": job.id, "shunter_attempt": str(job.attempt), "name": job.name}
     return Submission(ENTRYPOINT, runtime_env, metadata)
+
+
+def progress_url(settings: Settings) -> str:
+    """How the job reaches the API: `SHUNTER_PUBLIC_URL`, else this process's own bind address (right for
+    `shunter serve`, whose local Ray head runs on the same machine; a wildcard bind is reached on loopback)."""
+    if settings.public_url:
+        return settings.public_url.rstrip("/")
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}.get(settings.host, settings.host)
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{settings.port}"
 
 
 def job_storage(spec: JobSpec, settings: Settings) -> str:

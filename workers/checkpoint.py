@@ -9,10 +9,10 @@ upload), and one without shunter's state file, which user code wrote and which h
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
-import pickle
 import random
 import shutil
 import tempfile
@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "shunter"
 DCP_DIR = "dcp"
 ENV_RESUME_FROM = "SHUNTER_RESUME_FROM"  # a checkpoint path/URI a new run starts from
+RNG_FORMAT = "shunter-rng-1"  # rng-rank<N>.json; older checkpoints have rng-rank<N>.pkl, which is never unpickled
 
 
 class IncompleteCheckpointError(RuntimeError):
@@ -54,28 +55,52 @@ def _gather(value: Any) -> list[Any]:
     return out
 
 
+def _bytes_of(tensor: torch.Tensor) -> str:
+    return base64.b64encode(tensor.cpu().numpy().tobytes()).decode()
+
+
+def _tensor_of(text: str) -> torch.Tensor:
+    return torch.tensor(list(base64.b64decode(text)), dtype=torch.uint8)
+
+
 def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    """This process's RNG states as plain JSON (numbers, strings, lists): loading it back cannot run code."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "format": RNG_FORMAT,
+        "python": [version, list(internal), gauss],
+        "torch": _bytes_of(torch.get_rng_state()),
+    }
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        state["numpy"] = [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
     except ImportError:
         pass
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [_bytes_of(t) for t in torch.cuda.get_rng_state_all()]
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
+    """Restore what `rng_state` returned (also after a JSON round trip)."""
+    if state.get("format") != RNG_FORMAT:
+        raise ValueError(f"unknown RNG state format {state.get('format')!r}")
+    version, internal, gauss = state["python"]
+    random.setstate((int(version), tuple(int(v) for v in internal), gauss))
+    torch.set_rng_state(_tensor_of(state["torch"]))
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((str(name), np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached)))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([_tensor_of(t) for t in state["cuda"]])
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank}.json"
 
 
 def save(prepared: Prepared, directory: str | Path) -> Path:
@@ -100,8 +125,7 @@ def save(prepared: Prepared, directory: str | Path) -> Path:
             torch.save(prepared.scheduler.state_dict(), directory / "scheduler.pt")
         if prepared.scaler is not None:
             torch.save(prepared.scaler.state_dict(), directory / "scaler.pt")
-    with (directory / f"rng-rank{rank}.pkl").open("wb") as handle:
-        pickle.dump(rng_state(), handle)
+    (directory / rng_file(rank)).write_text(json.dumps(rng_state()))
     state = {
         "step": prepared.step,
         "epoch": prepared.epoch,
@@ -199,19 +223,29 @@ def _load_dir(prepared: Prepared, directory: Path) -> None:
             prepared.model, prepared.optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"]
         )
     else:
-        prepared.module.load_state_dict(torch.load(directory / "model.pt", map_location=prepared.device))
-        prepared.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location=prepared.device))
+        # weights_only: tensors and plain containers only, whatever torch's default is; nothing in storage runs code.
+        model = torch.load(directory / "model.pt", map_location=prepared.device, weights_only=True)
+        prepared.module.load_state_dict(model)
+        optim = torch.load(directory / "optimizer.pt", map_location=prepared.device, weights_only=True)
+        prepared.optimizer.load_state_dict(optim)
     if kind is not StrategyKind.deepspeed:
         if prepared.scheduler is not None and (directory / "scheduler.pt").is_file():
-            prepared.scheduler.load_state_dict(torch.load(directory / "scheduler.pt"))
+            prepared.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
         if prepared.scaler is not None and (directory / "scaler.pt").is_file():
-            prepared.scaler.load_state_dict(torch.load(directory / "scaler.pt"))
-    rng = directory / f"rng-rank{rank}.pkl"
-    if rng.is_file():  # absent when the world size grew; those ranks keep their fresh RNG
-        with rng.open("rb") as handle:
-            set_rng_state(pickle.load(handle))  # noqa: S301 - our own file, verified by the manifest
+            prepared.scaler.load_state_dict(torch.load(directory / "scaler.pt", weights_only=True))
+    _restore_rng(directory, rank)
     prepared.resume_at(step=state["step"], epoch=state["epoch"], batch_in_epoch=state["batch_in_epoch"])
     prepared.extra.update(state.get("extra") or {})
+
+
+def _restore_rng(directory: Path, rank: int) -> None:
+    rng = directory / rng_file(rank)
+    if rng.is_file():
+        set_rng_state(json.loads(rng.read_text()))
+    elif (directory / f"rng-rank{rank}.pkl").is_file():
+        # Written by an older release with pickle: unpickling a file from shared storage could run any code.
+        log.warning("%s: RNG state in the old pickle format is not loaded; rank %d keeps a fresh RNG", directory, rank)
+    # Neither: the world size grew since; those ranks keep their fresh RNG.
 
 
 def report(prepared: Prepared, metrics: dict[str, Any], *, checkpoint: bool = False) -> None:

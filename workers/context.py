@@ -1,7 +1,8 @@
-"""What a process inside a shunter Ray Job knows about its job: the spec, the job id and attempt.
+"""What a process inside a shunter Ray Job knows about its job: the job id and attempt, and through them its spec.
 
-The dispatcher puts these in the Ray Job's environment (`runtime_env.env_vars`), which Ray hands to the driver,
-the Train controller and every train worker alike.
+The dispatcher puts the job id, the attempt, the storage, the API's address and the attempt's token in the Ray Job's
+environment (`runtime_env.env_vars`), which Ray hands to the driver, the Train controller and every train worker
+alike. The spec itself is read once per process from the API (no size limit, and not shown in the Ray dashboard).
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import sys
 from pathlib import Path
 
 from service.spec import JobSpec
+from workers.attempt_api import AttemptApi
 
-ENV_SPEC = "SHUNTER_JOB_SPEC"
 ENV_JOB_ID = "SHUNTER_JOB_ID"
 ENV_ATTEMPT = "SHUNTER_ATTEMPT"
-ENV_DATABASE_URL = "SHUNTER_PROGRESS_DATABASE_URL"
 ENV_STORAGE = "SHUNTER_JOB_STORAGE"
+ENV_PROGRESS_URL = "SHUNTER_PROGRESS_URL"  # the shunter API the job reports to
+ENV_ATTEMPT_TOKEN = "SHUNTER_ATTEMPT_TOKEN"  # good only for this attempt's rows (service.attempt_tokens)
 # A reserved metric key: every report made through a `Prepared` (workers.strategies.prepare) names the strategy it
 # applied, so the Train callback can tell a loop that applied the spec's strategy from plain Ray Train code.
 STRATEGY_METRIC = "_shunter_strategy"
@@ -25,11 +27,20 @@ STRATEGY_METRIC = "_shunter_strategy"
 
 @functools.lru_cache
 def job_spec() -> JobSpec:
-    """The spec of the job this process belongs to (a default DDP spec outside shunter, for plain Ray Train use)."""
-    raw = os.environ.get(ENV_SPEC)
-    if not raw:
+    """The spec of the job this process belongs to, read once from the API (a default DDP spec outside shunter, for
+    plain Ray Train use)."""
+    api = attempt_api()
+    if api is None:
         return JobSpec.model_validate({"entrypoint": {"callable": "unknown:unknown"}})
-    return JobSpec.model_validate_json(raw)
+    return JobSpec.model_validate(api.spec())
+
+
+def attempt_api() -> AttemptApi | None:
+    """How this attempt reaches shunter; None outside a shunter job."""
+    url, token, job = os.environ.get(ENV_PROGRESS_URL), os.environ.get(ENV_ATTEMPT_TOKEN), job_id()
+    if not (url and token and job):
+        return None
+    return AttemptApi(url=url, token=token, job_id=job, attempt=attempt())
 
 
 def job_id() -> str | None:

@@ -1,9 +1,9 @@
 """The Ray Job entrypoint of one attempt: `python -m workers.driver`.
 
-It reads its job from the environment the dispatcher set (`workers.context`), builds a `TorchTrainer` from the spec,
-runs it, and records why the attempt ended before exiting (0 on success, 1 otherwise), so the dispatcher need not
-guess from Ray's status alone. It also records a warning when the spec asked for FSDP or DeepSpeed and the train loop
-never applied it (see `workers.progress`).
+It reads its job from the environment the dispatcher set and its spec from the API (`workers.context`), builds a
+`TorchTrainer` from the spec, runs it, and records why the attempt ended (through the API) before exiting (0 on
+success, 1 otherwise), so the dispatcher need not guess from Ray's status alone. It also records a warning when the
+spec asked for FSDP or DeepSpeed and the train loop never applied it (see `workers.progress`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from workers import context
 
 if TYPE_CHECKING:
     from service.spec import JobSpec
+    from workers.attempt_api import AttemptApi
 
 log = logging.getLogger("shunter.driver")
 
@@ -70,7 +71,7 @@ def _named_node_is_dead(text: str) -> bool:
     return bool(node_ids - alive)
 
 
-def build_trainer(spec, *, job_id: str, attempt: int, storage: str, database_url: str | None):  # noqa: ANN001, ANN201
+def build_trainer(spec, *, job_id: str, attempt: int, storage: str, api: AttemptApi | None):  # noqa: ANN001, ANN201
     """The TorchTrainer for this attempt (imports torch and Ray Train: worker side only)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -89,16 +90,8 @@ def build_trainer(spec, *, job_id: str, attempt: int, storage: str, database_url
     )
     expected = strategy_to_check(spec)
     callbacks = (
-        [
-            ProgressCallback(
-                database_url=database_url,
-                job_id=job_id,
-                attempt=attempt,
-                keep=spec.checkpoint.keep,
-                strategy=expected.value if expected else None,
-            )
-        ]
-        if database_url
+        [ProgressCallback(api=api, keep=spec.checkpoint.keep, strategy=expected.value if expected else None)]
+        if api is not None
         else []
     )
     storage_path, filesystem = filesystem_for(storage)
@@ -148,43 +141,42 @@ def main() -> int:
     job_id = context.job_id() or "adhoc"
     attempt = context.attempt()
     storage = os.environ.get(context.ENV_STORAGE) or os.path.abspath("shunter-checkpoints")
-    database_url = os.environ.get(context.ENV_DATABASE_URL)
+    api = context.attempt_api()
     log.info("job %s attempt %d: %d x %s, strategy %s", job_id, attempt, spec.resources.num_workers,
              spec.resources.per_worker(), spec.strategy.kind.value)  # fmt: skip
 
     import ray
 
     ray.init(log_to_driver=True)
-    reason, message = run(spec, job_id=job_id, attempt=attempt, storage=storage, database_url=database_url)
+    reason, message = run(spec, job_id=job_id, attempt=attempt, storage=storage, api=api)
     log.info("attempt ended: %s", reason.value)
     return 0 if reason is EndReason.SUCCEEDED else 1
 
 
-def run(spec: JobSpec, *, job_id: str, attempt: int, storage: str, database_url: str | None) -> tuple[EndReason, str]:
-    """Train this attempt to its end (Ray already initialised) and record how it ended; (end reason, message)."""
+def run(spec: JobSpec, *, job_id: str, attempt: int, storage: str, api: AttemptApi | None) -> tuple[EndReason, str]:
+    """Train this attempt to its end (Ray already initialised) and record how it ended; (end reason, message).
+    `api`: where to report (None: nowhere, e.g. outside shunter)."""
     reason, message = EndReason.SUCCEEDED, "succeeded"
     try:
-        trainer = build_trainer(spec, job_id=job_id, attempt=attempt, storage=storage, database_url=database_url)
+        trainer = build_trainer(spec, job_id=job_id, attempt=attempt, storage=storage, api=api)
         result = trainer.fit()
         log.info("training finished; final checkpoint: %s", getattr(result.checkpoint, "path", None))
         expected = strategy_to_check(spec)
-        if expected and database_url:
+        if expected and api is not None:
             # The Train callback checked the first report; this covers a run with none. (A failed run that never
             # reported is left alone: it may have failed inside `prepare` itself, and its failure is the news.)
             from workers.progress import warn_if_never_reported
 
-            warn_if_never_reported(database_url, job_id=job_id, attempt=attempt, expected=expected.value)
+            warn_if_never_reported(api, expected=expected.value)
     except KeyboardInterrupt:
         reason, message = EndReason.CANCELLED, "stopped by request"
     except Exception as exc:  # noqa: BLE001 - classified, recorded, and printed in full below
         reason = classify_failure(exc)
         message = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
-    if database_url and reason is not EndReason.SUCCEEDED:
-        from service.progress import engine_for, record_attempt_end
-
+    if api is not None and reason is not EndReason.SUCCEEDED:
         try:
-            record_attempt_end(engine_for(database_url), job_id=job_id, attempt=attempt, reason=reason, message=message)
+            api.end(reason.value, message)
         except Exception:  # noqa: BLE001 - the exit code still tells the dispatcher the attempt failed
             log.exception("could not record the end of the attempt")
     return reason, message

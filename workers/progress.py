@@ -1,8 +1,9 @@
-"""The Train callback that carries every `ray.train.report` into shunter's database.
+"""The Train callback that carries every `ray.train.report` to shunter.
 
 It runs in the Ray Train controller (one process per run), after all ranks reported: rank 0's metrics become the
-job's progress and metric series, and each persisted checkpoint a `Checkpoint` row. A database hiccup is logged and
-skipped: losing one progress point must never fail a training run.
+job's progress and metric series, and each persisted checkpoint a `Checkpoint` row. They go to the internal API with
+the attempt's own token (`workers.attempt_api`), never to the database directly. A failed write (the API down, a
+timeout, a refusal) is logged and skipped: losing one progress point must never fail a training run.
 
 It also checks that the train loop applied the strategy the spec asked for. A plain Ray Train loop that never calls
 `workers.strategies.prepare` runs as it is written (DDP with `ray.train.torch.prepare_model`) whatever `strategy.kind`
@@ -14,10 +15,12 @@ covers a successful run that never reported at all (`warn_if_never_reported`).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from ray.train import Checkpoint, UserCallback
 
+from workers.attempt_api import AttemptApi
 from workers.context import STRATEGY_METRIC
 
 log = logging.getLogger(__name__)
@@ -25,39 +28,27 @@ STRATEGY_NOT_APPLIED = "strategy_not_applied"  # the warning's code (its event's
 
 
 class ProgressCallback(UserCallback):
-    def __init__(
-        self, *, database_url: str, job_id: str, attempt: int, keep: int | None = None, strategy: str | None = None
-    ) -> None:
-        self.database_url = database_url
-        self.job_id = job_id
-        self.attempt = attempt
-        self.keep = keep  # None: the spec's `checkpoint.keep`, read in the controller (SHUNTER_JOB_SPEC is set there)
+    def __init__(self, *, api: AttemptApi, keep: int | None = None, strategy: str | None = None) -> None:
+        self.api = api  # strings only: the callback is pickled into the controller, which makes its own client
+        self.job_id = api.job_id
+        self.attempt = api.attempt
+        self.keep = keep  # None: the spec's `checkpoint.keep`, read in the controller (from the API)
         self.strategy = strategy  # the strategy kind the loop must apply itself (fsdp, deepspeed); None: no check
         self._reports = 0
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
-        from service.progress import engine_for, record_report
-
         self._reports += 1
         rank0 = dict(metrics[0]) if metrics else {}
         applied = rank0.pop(STRATEGY_METRIC, None)  # shunter's marker, not a metric of the job
         if self._reports == 1 and self.strategy and applied != self.strategy:
-            warn_strategy_not_applied(
-                self.database_url, job_id=self.job_id, attempt=self.attempt, expected=self.strategy, applied=applied
-            )
+            warn_strategy_not_applied(self.api, job_id=self.job_id, expected=self.strategy, applied=applied)
         uri = _checkpoint_uri(checkpoint) if checkpoint is not None else None
         try:
             complete = _checkpoint_complete(checkpoint) if checkpoint is not None else True
-            record_report(
-                engine_for(self.database_url),
-                job_id=self.job_id,
-                attempt=self.attempt,
-                metrics=rank0,
-                checkpoint_uri=uri,
-                checkpoint_complete=complete,
-                keep=self._keep(),
-                report_index=self._reports,
-            )
+            step = rank0.get("step")
+            numeric = isinstance(step, int | float) and not isinstance(step, bool) and math.isfinite(step)
+            step = int(step) if numeric else self._reports
+            self.api.report(rank0, step=step, checkpoint_uri=uri, checkpoint_complete=complete, keep=self._keep())
         except Exception:  # noqa: BLE001 - see module docstring
             log.exception("shunter: could not record report %d of job %s", self._reports, self.job_id)
 
@@ -84,35 +75,29 @@ def strategy_not_applied(expected: str, applied: str | None = None) -> str:
 
 
 def warn_strategy_not_applied(
-    database_url: str | None, *, job_id: str, attempt: int, expected: str, applied: str | None = None
+    api: AttemptApi | None, *, job_id: str, expected: str, applied: str | None = None
 ) -> None:
-    """Log the warning and record it on the job (once per attempt); a database hiccup is logged, never raised."""
+    """Log the warning and record it on the job (once per attempt); a failed write is logged, never raised."""
     message = strategy_not_applied(expected, applied)
     log.warning("shunter: job %s: %s", job_id, message)
-    if not database_url:
+    if api is None:
         return
-    from service.progress import engine_for, record_warning
-
     try:
-        record_warning(
-            engine_for(database_url), job_id=job_id, attempt=attempt, code=STRATEGY_NOT_APPLIED, message=message
-        )
+        api.warning(STRATEGY_NOT_APPLIED, message)
     except Exception:  # noqa: BLE001 - see module docstring
         log.exception("shunter: could not record a warning for job %s", job_id)
 
 
-def warn_if_never_reported(database_url: str, *, job_id: str, attempt: int, expected: str) -> None:
+def warn_if_never_reported(api: AttemptApi, *, expected: str) -> None:
     """At the end of a successful run: one that never reported gave the callback nothing to check, so nothing shows
     that its loop applied the strategy (a report through a `Prepared` always stores step, epoch and lr)."""
-    from service.progress import attempt_reported, engine_for
-
     try:
-        if attempt_reported(engine_for(database_url), job_id=job_id, attempt=attempt):
+        if api.reported():
             return  # the callback checked the first report
     except Exception:  # noqa: BLE001 - see module docstring
-        log.exception("shunter: could not read the reports of job %s", job_id)
+        log.exception("shunter: could not read the reports of job %s", api.job_id)
         return
-    warn_strategy_not_applied(database_url, job_id=job_id, attempt=attempt, expected=expected)
+    warn_strategy_not_applied(api, job_id=api.job_id, expected=expected)
 
 
 def _checkpoint_complete(checkpoint: Checkpoint) -> bool:

@@ -4,20 +4,36 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
+import logging
+import time
 from collections.abc import AsyncIterator
 from datetime import datetime
-from pathlib import Path as FsPath
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Path, Query, Response, status
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi import APIRouter, FastAPI, Header, Path, Query, Request, Response, status
+from fastapi.responses import StreamingResponse
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from api.deps import CallerDep, RuntimeDep, SessionDep, SettingsDep
-from api.routes.events import After, Follow, LastEventId, StreamTimeout
+from api.logs import (
+    FOLLOW_READ_MAX,
+    RayLogs,
+    byte_range,
+    bytes_reader,
+    file_chunks,
+    file_reader,
+    open_stored,
+    read_at,
+    stored_size,
+    stored_tail,
+    tail_offset,
+)
+from api.routes.events import After, Follow, LastEventId, StreamTimeout, resume_after
 from api.schemas import (
     ERROR_RESPONSES,
+    STREAM_ERROR_RESPONSES,
     Accepted,
     AttemptPublic,
     CheckpointPublic,
@@ -26,16 +42,21 @@ from api.schemas import (
     JobPublic,
     MetricPoint,
 )
-from api.sse import SSE_RESPONSE, event_stream
+from api.sse import SSE_RESPONSE, event_stream, pause
+from api.streams import DB_UNAVAILABLE, is_database_outage, open_stream, state_of
 from service import jobs
 from service.backend import submission_id
 from service.errors import InfraError, InvalidSpec, NotFound
+from service.host_files import HostFiles
 from service.models import Attempt, ClusterSnapshot, Job, JobState
 from service.runtime import Runtime
 from service.spec import JobSpec
 
+log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
 FOLLOW_POLL_SECONDS = 1.0
+MAX_LOG_BYTES = 64 << 20  # the most `limit_bytes` may ask for in one answer
+TEXT = "text/plain; charset=utf-8"
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=255)]
 # Ids are ours ("j" + hex); anything else cannot name a job, and odd bytes never reach the database.
 JobId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
@@ -131,19 +152,24 @@ def retry_job(job_id: JobId, session: SessionDep, caller: CallerDep) -> Accepted
 @router.get("/{job_id}/events", response_model=list[EventPublic], responses=SSE_RESPONSE)
 def job_events(
     job_id: JobId,
+    request: Request,
     session: SessionDep,
     caller: CallerDep,
     runtime: RuntimeDep,
     after: After = 0,
     follow: Follow = False,
     timeout_seconds: StreamTimeout = None,
-    last_event_id: LastEventId = None,
+    last_event_id: LastEventId = "",
 ) -> Response | list[EventPublic]:
-    """The job's timeline, oldest first. `follow=true` streams it (SSE) and ends after the job's terminal event."""
+    """The job's timeline, oldest first. `follow=true` streams it (SSE) and ends after the job's terminal event (or
+    at `timeout_seconds` / the server's `stream_max_seconds`; reconnect with `Last-Event-ID`)."""
     job = jobs.get(session, job_id, caller=caller)
-    start = max(after, last_event_id or 0)
+    start = resume_after(after, last_event_id)
     if follow:
-        return event_stream(runtime.engine, caller=caller, job_id=job.id, after=start, timeout_seconds=timeout_seconds)
+        return event_stream(
+            request.app, runtime.engine, runtime.settings, caller=caller, job_id=job.id, after=start,
+            timeout_seconds=timeout_seconds,
+        )  # fmt: skip
     return [EventPublic.model_validate(e) for e in jobs.events(session, job, after_id=start)]
 
 
@@ -171,46 +197,83 @@ def job_metrics(
     return [MetricPoint.model_validate(m) for m in jobs.metric_series(session, job, name=name, limit=limit)]
 
 
-@router.get(
-    "/{job_id}/logs",
-    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "the log text"}},
-)
+_NEXT_OFFSET = {
+    "X-Next-Offset": {
+        "description": "the byte offset just past this answer: pass it as `offset` to read on",
+        "schema": {"type": "string", "pattern": "^[0-9]+$"},
+    }
+}
+LOG_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+        "description": "the log text (bytes of the UTF-8 log from `offset`), or with `follow=true` a stream of it",
+        "headers": _NEXT_OFFSET,
+    },
+    **STREAM_ERROR_RESPONSES,
+}
+Tail = Annotated[int | None, Query(ge=1, le=100_000, description="only the last N lines (at or after `offset`)")]
+Offset = Annotated[int | None, Query(ge=0, le=2**62, description="start at this byte of the log")]
+LimitBytes = Annotated[int | None, Query(ge=1, le=MAX_LOG_BYTES, description="answer at most this many bytes")]
+
+
+@router.get("/{job_id}/logs", response_class=Response, responses=LOG_RESPONSES)
 def job_logs(
     job_id: JobId,
+    request: Request,
     session: SessionDep,
     caller: CallerDep,
     runtime: RuntimeDep,
     attempt: Annotated[int | None, Query(ge=1, le=10_000)] = None,
     follow: bool = False,
+    tail: Tail = None,
+    offset: Offset = None,
+    limit_bytes: LimitBytes = None,
+    timeout_seconds: StreamTimeout = None,
 ) -> Response:
     """The attempt's driver log (worker output included). Kept by shunter once the attempt ends.
 
-    `follow=true` streams until the attempt ends (without `attempt`: until the job ends, attempt after attempt);
+    Ranged: `offset` (a byte of the log), `tail` (the last N lines), `limit_bytes`; `X-Next-Offset` is where the
+    answer ends (pass it back as `offset` to read on). `follow=true` streams from there until the attempt ends
+    (without `attempt`: until the job ends, attempt after attempt), or `timeout_seconds` / `stream_max_seconds`;
     the final text comes from shunter's stored copy, so the last lines are never lost.
     """
     job = jobs.get(session, job_id, caller=caller)
+    files = HostFiles(runtime.settings.data_dir)
     if follow:
-        return StreamingResponse(_follow(runtime, job.id, attempt), media_type="text/plain")
+        body = functools.partial(
+            _follow, runtime, files, ray_logs_of(request.app), job.id, attempt, offset=offset or 0, tail=tail
+        )
+        return open_stream(
+            request.app, caller, runtime.settings, body, timeout_seconds=timeout_seconds, media_type=TEXT
+        )
     number = attempt or job.attempt
     if number == 0:
-        return PlainTextResponse("")
+        return Response(b"", media_type=TEXT, headers={"X-Next-Offset": "0"})
     rows = {a.number: a for a in jobs.attempts(session, job)}
     if number not in rows:
         raise NotFound(f"job {job_id} has no attempt {number}")
-    text = _read_log(runtime, rows[number].submission_id, rows[number].log_uri)
-    if text is None and rows[number].ended_at is None:
+    row = rows[number]
+    # The path is built from ids, never read from the row: a row's log_uri names no file the API will open.
+    stored = open_stored(files.log_path(job.id, number))
+    if stored is not None:
+        handle, size = stored
+        try:
+            start, end = byte_range(file_reader(handle), size, offset=offset, tail=tail, limit=limit_bytes)
+        except BaseException:
+            handle.close()
+            raise
+        headers = {"X-Next-Offset": str(end), "Content-Length": str(end - start)}
+        return StreamingResponse(file_chunks(handle, start, end), media_type=TEXT, headers=headers)
+    data = ray_logs_of(request.app).get(runtime.ray, row.submission_id, max_age=FOLLOW_POLL_SECONDS)
+    if data is None and row.ended_at is None:
         raise InfraError(f"the log of running attempt {number} is with Ray, which does not answer; try again")
-    return PlainTextResponse(text or "")
+    data = data or b""
+    start, end = byte_range(bytes_reader(data), len(data), offset=offset, tail=tail, limit=limit_bytes)
+    return Response(data[start:end], media_type=TEXT, headers={"X-Next-Offset": str(end)})
 
 
-def _read_log(runtime: Runtime, submission_id: str, log_uri: str | None) -> str | None:
-    """Shunter's stored copy if there is one, else what Ray has (None when Ray does not answer)."""
-    if log_uri and FsPath(log_uri).exists():
-        return FsPath(log_uri).read_text(errors="replace")
-    try:
-        return runtime.ray.logs(submission_id)
-    except InfraError:
-        return None
+def ray_logs_of(app: FastAPI) -> RayLogs:
+    return state_of(app, "ray_logs", RayLogs)  # type: ignore[no-any-return]
 
 
 def _attempt_state(engine: Engine, job_id: str, number: int | None) -> tuple[Job | None, Attempt | None]:
@@ -223,32 +286,71 @@ def _attempt_state(engine: Engine, job_id: str, number: int | None) -> tuple[Job
         return job, row
 
 
-async def _follow(runtime: Runtime, job_id: str, pinned: int | None) -> AsyncIterator[str]:
+async def _follow(
+    runtime: Runtime,
+    files: HostFiles,
+    ray_logs: RayLogs,
+    job_id: str,
+    pinned: int | None,
+    deadline: float,
+    *,
+    offset: int,
+    tail: int | None,
+) -> AsyncIterator[bytes]:
     """Stream an attempt's new log text until it ends, then the rest of shunter's stored copy; unpinned, go on to
-    the next attempt until the job itself ends."""
-    number, sent = pinned, 0
+    the next attempt until the job itself ends. Only new bytes are sent; a running attempt's Ray log is fetched
+    once per poll for all followers in this process (`RayLogs`), and no connection is held between polls."""
+    number, sent, pending_tail = pinned, offset, tail
     while True:
-        job, row = await asyncio.to_thread(_attempt_state, runtime.engine, job_id, number)
+        try:
+            job, row = await asyncio.to_thread(_attempt_state, runtime.engine, job_id, number)
+        except DB_UNAVAILABLE as exc:
+            if not is_database_outage(exc):
+                raise
+            log.warning("log follow: the database does not answer; trying again", exc_info=True)
+            if not await pause(deadline, FOLLOW_POLL_SECONDS):
+                return
+            continue
         if job is None:
             return
         if row is None:  # not admitted yet (or an attempt that never existed)
             if pinned is not None or JobState(job.state).is_terminal:
                 return
-            await asyncio.sleep(FOLLOW_POLL_SECONDS)
+            if not await pause(deadline, FOLLOW_POLL_SECONDS):
+                return
             continue
         if number is None:
             number = row.number
         ended = row.ended_at is not None
-        # Once the attempt has ended its log_uri is final: read the stored copy (or Ray, if it could not be kept).
-        text = await asyncio.to_thread(_read_log, runtime, row.submission_id, row.log_uri if ended else None) or ""
-        if len(text) > sent:
-            yield text[sent:]
-            sent = len(text)
+        # Once the attempt has ended its stored copy is final: read on from where we are (or Ray, if it was not kept).
+        path = files.log_path(job_id, number)
+        size = await asyncio.to_thread(stored_size, path) if ended else None
+        if size is not None:
+            if pending_tail is not None:
+                sent = max(sent, await asyncio.to_thread(stored_tail, path, size, pending_tail, sent))
+                pending_tail = None
+            while sent < size and time.monotonic() < deadline:
+                chunk = await asyncio.to_thread(read_at, path, sent, min(FOLLOW_READ_MAX, size - sent))
+                if not chunk:
+                    break
+                yield chunk
+                sent += len(chunk)
+        else:
+            data = await asyncio.to_thread(ray_logs.get, runtime.ray, row.submission_id, max_age=FOLLOW_POLL_SECONDS)
+            if data is not None:
+                if pending_tail is not None:
+                    floor = min(sent, len(data))
+                    sent = max(sent, tail_offset(bytes_reader(data), len(data), pending_tail, floor=floor))
+                    pending_tail = None
+                if len(data) > sent:
+                    yield data[sent:]
+                    sent = len(data)
         if ended:
             if pinned is not None or (JobState(job.state).is_terminal and job.attempt == number):
                 return
             if job.attempt > number:  # a retry was admitted: follow it
                 number, sent = number + 1, 0
-                yield f"\n--- shunter: attempt {number} ---\n"
+                yield f"\n--- shunter: attempt {number} ---\n".encode()
                 continue
-        await asyncio.sleep(FOLLOW_POLL_SECONDS)
+        if not await pause(deadline, FOLLOW_POLL_SECONDS):
+            return

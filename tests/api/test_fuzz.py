@@ -1,11 +1,22 @@
-"""A bounded schemathesis run of the OpenAPI schema over real HTTP (uvicorn) with a real SQLite file: no 5xx but
-the documented 503s, and every response conforms to the schema. Ray is at a closed port: nothing here may need it."""
+"""Bounded schemathesis runs of the OpenAPI schema over real HTTP with a real SQLite file.
+
+1. In-process (uvicorn in a thread), Ray at a closed port: no 5xx but the documented 503s, and every response
+   conforms to the schema; nothing here may need Ray.
+2. Every check schemathesis has (`schemathesis run --checks all`, all phases: examples, coverage, fuzzing, stateful)
+   against a live `shunter serve` on the noop backend (so a generated spec that is accepted never starts real
+   training), once without API tokens and once with them (the token header passed): no failures.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import schemathesis
@@ -21,10 +32,12 @@ from schemathesis.checks import (
 )
 
 from api.app import create_app
+from api.client import Client
 from service.ray_local import free_port
 from service.runtime import Runtime
-from tests.api.conftest import offline_settings
+from tests.api.conftest import GOOD, TOKENS, offline_settings
 from tests.conftest import wait_for
+from tests.service.conftest import Service
 
 BUDGET_SECONDS = 60.0
 EXAMPLES_PER_OPERATION = 60
@@ -90,3 +103,128 @@ def test_openapi_fuzz(label: str, live_url: str) -> None:
         )
 
     fuzz()
+
+
+ENTRYPOINTS = [
+    {"callable": "examples.mlp:train_loop"},
+    {"script": "train.py", "args": ["--lr", "0.1"]},
+    {"recipe": "causal-lm"},
+    {"callable": "a:b", "script": "", "recipe": None},
+    {"script": " "},
+    {},
+    {"script": ""},
+    {"callable": "a:b", "script": "train.py"},
+    {"callable": "a:b", "recipe": "causal-lm"},
+    {"callable": "a:b", "args": ["x"]},
+    {"recipe": "causal-lm", "args": ["x"]},
+    {"callable": "not a callable"},
+    {"callable": "a:b\n"},
+    {"recipe": "gpt"},
+    {"callable": None, "script": None, "recipe": None},
+    {"callable": "a:b", "extra": 1},
+]
+
+
+@pytest.mark.parametrize("entrypoint", ENTRYPOINTS, ids=json.dumps)
+def test_entrypoint_schema_says_what_the_model_accepts(entrypoint: dict) -> None:
+    """The OpenAPI document's entrypoint schema (exactly one of callable / script / recipe) accepts exactly what
+    the model does: a client or fuzzer that follows the schema is never refused, nor one that breaks it accepted.
+    Patterns are ECMA-262 (JSON Schema's dialect: `$` is the end of the text), as schemathesis' validator reads them."""
+    import jsonschema_rs
+    from pydantic import ValidationError
+
+    from service.spec import Entrypoint
+
+    openapi = create_app().openapi()
+    schema = {**openapi["components"]["schemas"]["Entrypoint"], "components": openapi["components"]}
+    by_schema = jsonschema_rs.Draft202012Validator(schema).is_valid(entrypoint)
+    try:
+        Entrypoint.model_validate(entrypoint)
+        by_model = True
+    except ValidationError:
+        by_model = False
+    assert by_schema == by_model, (entrypoint, by_schema, by_model)
+
+
+# --- 2. every check, against a live service -----------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+ALL_CHECKS_EXAMPLES = 15  # per operation and phase: both runs take ~25 s here (~100 s on a loaded 2-core machine)
+ALL_CHECKS_SEED = 1  # a fixed seed: the same cases every run, so a failure here is reproducible with `st run`
+# Failures in code outside issue 12's item 5, reported to their owners: (operation, schemathesis failure code). Each
+# entry is the one place such a failure is let through; remove it with its fix, and the run must then find nothing.
+KNOWN_ELSEWHERE = {
+    # list_jobs: an opaque cursor the API never returned is refused with 422, which no JSON schema can rule out.
+    ("GET /v1/jobs", "ST202"),
+    # JobSpec outside the entrypoint: `0` taken as false for a bool (lax mode); scale_lr=linear needs
+    # base_batch_size, a cross-field rule the schema does not state.
+    ("POST /v1/jobs", "ST201"),
+    ("POST /v1/jobs", "ST202"),
+    # QueueLimits: `0` taken as false for `preemption`.
+    ("PUT /v1/queues/{name}", "ST201"),
+    # POST /v1/code: any bytes are a schema-valid `format: binary` body; only a zip archive is accepted (422).
+    ("POST /v1/code", "ST202"),
+    # The attempt API (/internal): its 413 for a body over 64 KiB is not documented, and an over-long message or an
+    # unknown end reason is refused (413) where the schema expects a 4xx it documents.
+    ("POST /internal/v1/attempts/{job_id}/{attempt}/end", "ST103"),
+    ("POST /internal/v1/attempts/{job_id}/{attempt}/end", "ST201"),
+}
+
+
+@pytest.fixture(params=["open", "tokens"])
+def noop_service(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Service, dict[str, str]]]:
+    """`shunter serve` on the noop backend, with one job run to its end (so events, attempts and a kept log exist);
+    with "tokens", SHUNTER_API_TOKENS is set and the run calls as alice."""
+    port = free_port()
+    env = dict(os.environ)
+    env.update(
+        {
+            "SHUNTER_DATABASE_URL": f"sqlite:///{tmp_path / 'shunter.db'}",
+            "SHUNTER_DATA_DIR": str(tmp_path / "data"),
+            "SHUNTER_STORAGE_URI": str(tmp_path / "checkpoints"),
+            "SHUNTER_BACKEND": f"noop:{tmp_path / 'noop'}",
+            "SHUNTER_PORT": str(port),
+            "SHUNTER_QUEUES": json.dumps({"default": {}}),
+            "SHUNTER_DISPATCHER_TICK_SECONDS": "0.1",
+            # Follow streams end by themselves this soon: a generated `follow=true` case is one short stream.
+            "SHUNTER_STREAM_MAX_SECONDS": "0.5",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    env.pop("SHUNTER_API_TOKENS", None)
+    headers: dict[str, str] = {}
+    if request.param == "tokens":
+        env["SHUNTER_API_TOKENS"] = json.dumps(TOKENS)
+        headers = {"Authorization": "Bearer tok-alice"}
+    svc = Service(data_dir=tmp_path, port=port, env=env).start()
+    try:
+        with Client(svc.url, token="tok-alice" if headers else None) as client:
+            job = client.submit(GOOD)
+            assert client.wait(job.id, timeout=30).state == "SUCCEEDED"
+        yield svc, headers
+    finally:
+        svc.stop()
+
+
+def test_openapi_all_checks(noop_service: tuple[Service, dict[str, str]], tmp_path: Path) -> None:
+    svc, headers = noop_service
+    report = tmp_path / "schemathesis.json"
+    command = [
+        sys.executable, "-m", "schemathesis.cli", "run", f"{svc.url}/openapi.json", "--checks", "all",
+        "--max-examples", str(ALL_CHECKS_EXAMPLES), "--seed", str(ALL_CHECKS_SEED), "--workers", "1",
+        "--request-timeout", "10", "--no-shrink", "--report", "json", "--report-json-path", str(report),
+        *(arg for name, value in headers.items() for arg in ("-H", f"{name}: {value}")),
+    ]  # fmt: skip
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.api.schemathesis_hooks", "PYTHONPATH": str(REPO)}
+    run = subprocess.run(command, capture_output=True, text=True, timeout=110, cwd=tmp_path, env=env)
+    assert report.exists(), run.stdout[-5000:] + run.stderr[-3000:]
+    result = json.loads(report.read_text())
+    found = {(op, f["code"]) for f in result["failures"] for op in f["operations"]}
+    cases = result["test_cases"]
+    let_through = sorted(found & KNOWN_ELSEWHERE)
+    print(f"schemathesis --checks all ({'tokens' if headers else 'no tokens'}): {cases['generated']} cases, "
+          f"{cases['unique_failures']} unique failures, {len(result['errors'])} errors in "
+          f"{result['running_time']:.1f}s; let through (KNOWN_ELSEWHERE): {let_through}")  # fmt: skip
+    assert result["complete"] and result["operations"]["tested"] == result["operations"]["selected"], result
+    assert not result["errors"], run.stdout[-8000:]
+    assert not (found - KNOWN_ELSEWHERE), run.stdout[-15000:]

@@ -208,6 +208,7 @@ def deployment(tmp_path: Path, pg_url: str, two_node_ray: TwoNodeRay) -> Iterato
                 wait_for(lambda p=proc, u=dep.apis[0][1]: _api_ready(p, u), timeout=90, what="api1 ready")
         for i in (1, 2):
             env = shunter_env(tmp_path, f"dispatcher{i}", pg_url=pg_url, head=head)
+            env["SHUNTER_PUBLIC_URL"] = dep.apis[i - 1][1]  # where its jobs report: an API, not the dispatcher
             dep.dispatchers.append(
                 spawn(f"dispatcher{i}", [sys.executable, "-m", "api.cli", "dispatcher"], env=env, log_dir=logs)
             )

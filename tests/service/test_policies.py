@@ -101,3 +101,34 @@ def test_backfill_stops_once_the_blocked_job_has_waited_long_enough(waited: floa
     assert result.admit == admitted
     if not admitted:
         assert "held behind big" in result.waiting["small"]
+
+
+# ---- preemption: only lower-priority jobs of the blocked job's own queue -----------------------------------------
+from service.scheduler import Running, preemption  # noqa: E402
+
+
+def running(job_id: str, prio: int, queue: str, cpu: float = 2.0, seq: float = 0.0) -> Running:
+    return Running(job_id, prio, seq, {"CPU": cpu}, queue=queue)
+
+
+@pytest.mark.parametrize(
+    ("others", "victims"),
+    [
+        ([running("low", 0, "research")], ["low"]),  # same queue, lower priority: a victim
+        ([running("low", 0, "default")], None),  # another queue: never, whatever its priority
+        ([running("low", -1000, "batch")], None),
+        ([running("peer", 5, "research")], None),  # equal priority: never
+        ([running("high", 9, "research")], None),
+        ([running("theirs", 0, "default"), running("ours", 1, "research")], ["ours"]),  # only from its own queue
+        ([running("a", 1, "research", cpu=1, seq=1), running("b", 0, "research", cpu=1, seq=2),
+          running("c", 0, "research", cpu=1, seq=3)], ["c", "b"]),  # lowest priority, newest first, only enough
+        ([running("half", 0, "research", cpu=1), running("rest", 0, "default", cpu=1)], None),  # not enough in queue
+    ],
+)  # fmt: skip
+def test_preemption_stays_in_its_own_queue(others: list[Running], victims: list[str] | None) -> None:
+    blocked = Candidate("urgent", 5, 10.0, 1, {"CPU": 2.0}, "pack", "research")
+    limits = {"research": QueueLimit(preemption=True), "default": QueueLimit(preemption=True)}
+    result = plan([blocked], nodes(0), limits=limits)
+    chosen = preemption(result, [blocked], others, {"CPU": 0.0}, limits=limits)
+    assert (chosen[1] if chosen else None) == victims
+    assert chosen is None or chosen[0] is blocked

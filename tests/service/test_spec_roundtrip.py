@@ -73,9 +73,9 @@ def resources(draw: st.DrawFn) -> dict[str, Any]:
     optional(draw, out, "placement", st.sampled_from(["pack", "spread", "strict_pack", "strict_spread"]))
     if draw(st.booleans()):
         per: dict[str, Any] = {}
-        optional(draw, per, "CPU", st.integers(0, 64) | st.floats(0, 64))
+        optional(draw, per, "CPU", st.integers(1, 64) | st.floats(0.0001, 64))  # a worker holds some CPU
         if out.get("use_gpu"):
-            optional(draw, per, "GPU", st.integers(0, 8) | st.sampled_from([0.25, 0.5, 1.0]))
+            optional(draw, per, "GPU", st.integers(1, 8) | st.sampled_from([0.25, 0.5, 1.0]))
         memory_strings = st.builds(
             lambda n, frac, unit, space: f"{n}{frac}{space}{unit}",
             st.integers(0, 4096),

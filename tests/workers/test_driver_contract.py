@@ -1,5 +1,6 @@
-"""What the driver relies on: the job spec in SHUNTER_JOB_SPEC picks the strategy, and a worker group that dies
-mid-run restarts from its latest checkpoint and continues (not restarts) training."""
+"""What the driver relies on: the job spec, which each train worker reads from the API with its attempt token, picks
+the strategy, and a worker group that dies mid-run restarts from its latest checkpoint and continues (not restarts)
+training."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from service.db import make_engine
+from service.migrate import upgrade
+from service.models import Job, JobState
 from service.spec import JobSpec
+from tests.live_api import add_attempt, live_api
 from workers.checkpoint import verify
-from workers.context import ENV_SPEC
 from workers.entrypoint import train_loop_for
 
 
@@ -28,17 +32,23 @@ def test_callable_takes_its_strategy_from_the_job_spec(ray_connected: object, tm
         }
     )
     loop, config = train_loop_for(spec)
-    result = TorchTrainer(
-        loop,
-        train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(
-            storage_path=str(tmp_path),
-            name="from-spec",
-            worker_runtime_env={"env_vars": {ENV_SPEC: spec.model_dump_json()}},
-        ),
-        torch_config=TorchConfig(backend="gloo"),
-    ).fit()
+    engine = make_engine(f"sqlite:///{tmp_path / 'shunter.db'}")
+    upgrade(engine)
+    job = Job(name="from-spec", spec=spec.model_dump(mode="json"), state=JobState.RUNNING, attempt=1)
+    add_attempt(engine, job)
+    with live_api(engine, tmp_path) as api:
+        result = TorchTrainer(
+            loop,
+            train_loop_config=config,
+            scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
+            run_config=RunConfig(
+                storage_path=str(tmp_path),
+                name="from-spec",
+                worker_runtime_env={"env_vars": api.job_env(job.id)},  # no spec: the workers ask the API for it
+            ),
+            torch_config=TorchConfig(backend="gloo"),
+        ).fit()
+    engine.dispose()
     assert result.metrics["step"] == 4
     with result.checkpoint.as_directory() as local:
         state = json.loads((Path(local) / "shunter-state.json").read_text())

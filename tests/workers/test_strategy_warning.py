@@ -1,6 +1,7 @@
 """A strategy the spec asks for and the train loop never applies does not pass silently: the driver (through its Train
 callback) records a `warning` event and a line in `Job.warnings`; a loop that calls `workers.strategies.prepare`
-gets none. Real TorchTrainer runs through `workers.driver.run`, against a real SQLite database."""
+gets none. Real TorchTrainer runs through `workers.driver.run`, reporting over HTTP to a real API on a real SQLite
+database."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from service.migrate import upgrade
 from service.models import EndReason, EventKind, Job, JobEvent, JobState
 from service.progress import record_warning
 from service.spec import JobSpec
+from tests.live_api import live_api
 from workers.context import STRATEGY_METRIC
 from workers.driver import run, strategy_to_check
 from workers.progress import STRATEGY_NOT_APPLIED
@@ -53,10 +55,12 @@ def _warnings(engine: Engine, job_id: str) -> tuple[Job, list[JobEvent]]:
 
 
 def _run(tmp_path: Path, spec: dict[str, Any]) -> tuple[Job, list[JobEvent]]:
-    url, engine = _database(tmp_path)
+    _, engine = _database(tmp_path)
     job_spec = JobSpec.model_validate({"resources": ONE_WORKER, **spec})
     job_id = _running_job(engine, job_spec)
-    reason, message = run(job_spec, job_id=job_id, attempt=1, storage=str(tmp_path / "storage"), database_url=url)
+    with live_api(engine, tmp_path) as api:
+        storage = str(tmp_path / "storage")
+        reason, message = run(job_spec, job_id=job_id, attempt=1, storage=storage, api=api.attempt_api(job_id))
     assert reason is EndReason.SUCCEEDED, message
     try:
         return _warnings(engine, job_id)

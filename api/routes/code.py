@@ -1,0 +1,67 @@
+"""/v1/code: upload a zip of code once, get a URI for `runtime_env.working_dir` (what `ray job submit --working-dir`
+does through the GCS, here kept in the service's storage under the caller; see `service.code_store`)."""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+
+from fastapi import APIRouter, Request, status
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+
+from api.deps import CallerDep, SettingsDep
+from api.schemas import ERROR_RESPONSES
+from service import code_store
+from service.errors import InvalidSpec
+from service.settings import Settings
+
+router = APIRouter(prefix="/v1/code", tags=["code"], responses=ERROR_RESPONSES)
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+# application/zip is what clients send; octet-stream is listed too, so generic OpenAPI tools can send bytes.
+ZIP_BODY = {"required": True, "content": {"application/zip": _BINARY, "application/octet-stream": _BINARY}}
+SPOOL_BYTES = 8 << 20  # archives up to this size stay in memory while checked
+
+
+class CodeUpload(BaseModel):
+    uri: str = Field(description="put it in the spec's runtime_env.working_dir")
+    sha256: str
+    size: int = Field(description="bytes")
+
+
+def _store(settings: Settings, owner: str, spool: tempfile.SpooledTemporaryFile[bytes], sha256: str) -> str:
+    code_store.check_archive(spool)
+    return code_store.store(settings, owner, spool, sha256)
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    response_model=CodeUpload,
+    responses={413: {"description": "larger than SHUNTER_MAX_CODE_BYTES"}},
+    openapi_extra={"requestBody": ZIP_BODY},
+)
+async def upload_code(request: Request, caller: CallerDep, settings: SettingsDep) -> CodeUpload:
+    """Store a zip archive (the request body, `Content-Type: application/zip`) as the caller's code.
+
+    Members must be relative paths inside the archive. Same content, same URI. A zip holding one top-level folder is
+    unpacked without it by Ray, so zip a folder's contents or the folder itself, either works.
+    """
+    limit = settings.max_code_bytes
+    too_large = code_store.ArchiveTooLarge(f"body: a code archive may be at most {limit} bytes", field="body")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    digest, size = hashlib.sha256(), 0
+    with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as spool:
+        async for chunk in request.stream():  # counted as it arrives: a lying or absent Content-Length changes nothing
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            digest.update(chunk)
+            spool.write(chunk)
+        if size == 0:
+            raise InvalidSpec("body: empty; send a zip archive", field="body")
+        sha256 = digest.hexdigest()
+        uri = await run_in_threadpool(_store, settings, caller.owner, spool, sha256)
+    return CodeUpload(uri=uri, sha256=sha256, size=size)

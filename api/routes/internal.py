@@ -1,0 +1,189 @@
+"""/internal/v1/attempts: what a running job sends back (progress, warnings, how it ended) and reads (its spec).
+
+The caller is the job itself (its driver, Train controller and train workers), authenticated by the attempt token the
+dispatcher gave it (`service.attempt_tokens`), never by a user API token: it may touch only the rows of the job and
+attempt its token names (403 for any other path), and `service.progress` lands a write only while the job is still
+on that attempt and active. Bodies are small and bounded (413 beyond `MAX_BODY_BYTES`); metric values are finite
+numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, HTTPException, Path, Request, Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from sqlmodel import Session
+
+from api.deps import RuntimeDep, SettingsDep
+from api.schemas import ERROR_RESPONSES
+from service import attempt_tokens, progress
+from service.errors import Conflict, Forbidden, NotFound, Unauthorized
+from service.models import ACTIVE_STATES, EndReason, Job
+
+MAX_BODY_BYTES = 64 * 1024
+MAX_METRICS = 256
+MAX_STEP = 2**31 - 1  # jobs.step and metrics.step are 32-bit integers on PostgreSQL
+# What a driver may say about its own end: never success (Ray tells that), preemption or a timeout (the
+# dispatcher's own decisions), which would change how the job is retried.
+DRIVER_END_REASONS = frozenset(EndReason) - {EndReason.SUCCEEDED, EndReason.PREEMPTED, EndReason.TIMEOUT}
+
+
+class _BoundedRequest(Request):
+    async def body(self) -> bytes:
+        if not hasattr(self, "_body"):
+            declared = self.headers.get("content-length", "")
+            if declared and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
+                raise HTTPException(413, f"body: larger than {MAX_BODY_BYTES} bytes")
+            chunks, size = [], 0
+            async for chunk in self.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise HTTPException(413, f"body: larger than {MAX_BODY_BYTES} bytes")
+                chunks.append(chunk)
+            self._body = b"".join(chunks)
+        return self._body
+
+
+class _BoundedRoute(APIRoute):
+    """Reads at most `MAX_BODY_BYTES` of a body before parsing it (a chunked body without a length included)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def bounded(request: Request) -> Response:
+            return await handler(_BoundedRequest(request.scope, request.receive))
+
+        return bounded
+
+
+router = APIRouter(
+    prefix="/internal/v1/attempts", tags=["internal"], responses=ERROR_RESPONSES, route_class=_BoundedRoute
+)
+
+JobId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+AttemptNo = Annotated[int, Path(ge=1, le=1_000_000)]
+Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+
+
+def _token_attempt(
+    rt: RuntimeDep, settings: SettingsDep, authorization: Annotated[str | None, Header()] = None
+) -> tuple[str, int]:
+    scheme, _, presented = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not presented:
+        raise Unauthorized("missing 'Authorization: Bearer <attempt token>' header")
+    try:
+        return attempt_tokens.verify(presented.strip(), attempt_tokens.keys_for(rt.engine, settings).accepted)
+    except attempt_tokens.InvalidToken as exc:
+        raise Unauthorized("not a valid attempt token") from exc
+
+
+def _scope(
+    job_id: JobId, attempt: AttemptNo, token: Annotated[tuple[str, int], Depends(_token_attempt)]
+) -> tuple[str, int]:
+    """The (job, attempt) of the path, which must be the token's own."""
+    if (job_id, attempt) != token:
+        raise Forbidden("this attempt token is for another job or attempt")
+    return token
+
+
+Scope = Annotated[tuple[str, int], Depends(_scope)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ReportBody(_Body):
+    metrics: dict[Annotated[str, Field(min_length=1, max_length=128)], Finite] = Field(default_factory=dict)
+    step: int = Field(0, ge=0, le=MAX_STEP, description="the report's step (rank 0's `step`, else its index)")
+    checkpoint_uri: str | None = Field(None, min_length=1, max_length=4096)
+    checkpoint_complete: bool = True
+    keep: int | None = Field(None, ge=1, le=100_000)
+
+    @field_validator("metrics")
+    @classmethod
+    def _bounded(cls, metrics: dict[str, float]) -> dict[str, float]:
+        if len(metrics) > MAX_METRICS:
+            raise ValueError(f"at most {MAX_METRICS} metrics per report")
+        step = metrics.get("step")
+        if step is not None and not (0 <= step <= MAX_STEP and math.floor(step) == step):
+            raise ValueError(f"metrics.step: a whole number from 0 to {MAX_STEP}")
+        return metrics
+
+
+class EndBody(_Body):
+    reason: EndReason
+    message: str = Field("", max_length=8000)
+
+    @field_validator("reason")
+    @classmethod
+    def _driver_reason(cls, reason: EndReason) -> EndReason:
+        if reason not in DRIVER_END_REASONS:
+            raise ValueError(f"a driver cannot record {reason.value}")
+        return reason
+
+
+class WarningBody(_Body):
+    code: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9_]+$")
+    message: str = Field(min_length=1, max_length=4000)
+
+
+class Recorded(BaseModel):
+    recorded: bool
+
+
+class Reported(BaseModel):
+    reported: bool
+
+
+@router.post("/{job_id}/{attempt}/report", response_model=Recorded)
+def report(scope: Scope, body: ReportBody, rt: RuntimeDep) -> Recorded:
+    """One `ray.train.report` of rank 0 (and its checkpoint); `recorded: false` once the attempt is not current."""
+    job_id, attempt = scope
+    recorded = progress.record_report(
+        rt.engine, job_id=job_id, attempt=attempt, metrics=dict(body.metrics), checkpoint_uri=body.checkpoint_uri,
+        checkpoint_complete=body.checkpoint_complete, keep=body.keep, report_index=body.step,
+    )  # fmt: skip
+    return Recorded(recorded=recorded)
+
+
+@router.post("/{job_id}/{attempt}/end", response_model=Recorded)
+def end(scope: Scope, body: EndBody, rt: RuntimeDep) -> Recorded:
+    """The driver's account of why its attempt ended (once per attempt)."""
+    job_id, attempt = scope
+    recorded = progress.record_attempt_end(
+        rt.engine, job_id=job_id, attempt=attempt, reason=body.reason, message=body.message
+    )
+    return Recorded(recorded=recorded)
+
+
+@router.post("/{job_id}/{attempt}/warning", response_model=Recorded)
+def warning(scope: Scope, body: WarningBody, rt: RuntimeDep) -> Recorded:
+    """Something the user should know that did not stop the job (once per attempt and code)."""
+    job_id, attempt = scope
+    recorded = progress.record_warning(rt.engine, job_id=job_id, attempt=attempt, code=body.code, message=body.message)
+    return Recorded(recorded=recorded)
+
+
+@router.get("/{job_id}/{attempt}/reported", response_model=Reported)
+def reported(scope: Scope, rt: RuntimeDep) -> Reported:
+    """Whether any report of this attempt was recorded."""
+    job_id, attempt = scope
+    return Reported(reported=progress.attempt_reported(rt.engine, job_id=job_id, attempt=attempt))
+
+
+@router.get("/{job_id}/{attempt}/spec")
+def spec(scope: Scope, rt: RuntimeDep) -> dict[str, Any]:
+    """The job's spec, while the job is on this attempt and active (409 after)."""
+    job_id, attempt = scope
+    with Session(rt.engine) as session:
+        job = session.get(Job, job_id)
+        if job is None:
+            raise NotFound(f"job {job_id} not found")
+        if job.attempt != attempt or job.state not in ACTIVE_STATES:
+            raise Conflict(f"job {job_id} is no longer on attempt {attempt}")
+        return dict(job.spec)

@@ -1,0 +1,91 @@
+"""The job's side of /internal/v1/attempts: how a running attempt reports its progress and reads its spec.
+
+`AttemptApi` holds only strings (it is pickled into the Ray Train controller with the progress callback); the HTTP
+client is made once per process and address, and kept alive, so a report costs one loopback or LAN round trip.
+Errors are raised to the caller: progress writers log and skip them, the spec reader retries.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+TIMEOUT = httpx.Timeout(5.0, connect=2.0)  # short: a report waits for it in the Train controller
+SPEC_TRIES = 5
+
+
+@functools.lru_cache(maxsize=8)
+def _client(base_url: str, token: str) -> httpx.Client:
+    # trust_env=False: no proxy or .netrc from the environment comes between a job and its own API.
+    return httpx.Client(
+        base_url=base_url, headers={"Authorization": f"Bearer {token}"}, timeout=TIMEOUT, trust_env=False
+    )
+
+
+def finite_numbers(metrics: dict[str, Any]) -> dict[str, float]:
+    """The metrics the API stores: finite numbers (not bools) under a name of 1..128 characters."""
+    out = {}
+    for name, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < len(str(name)) <= 128:
+            continue
+        if math.isfinite(float(value)):
+            out[str(name)] = value
+    return out
+
+
+@dataclass(frozen=True)
+class AttemptApi:
+    url: str  # the API's base URL (SHUNTER_PROGRESS_URL)
+    token: str  # the attempt token (SHUNTER_ATTEMPT_TOKEN)
+    job_id: str
+    attempt: int
+
+    def _path(self, what: str) -> str:
+        return f"/internal/v1/attempts/{self.job_id}/{self.attempt}/{what}"
+
+    def _call(self, method: str, what: str, body: dict[str, Any] | None = None) -> Any:
+        response = _client(self.url.rstrip("/"), self.token).request(method, self._path(what), json=body)
+        response.raise_for_status()
+        return response.json()
+
+    def report(
+        self,
+        metrics: dict[str, Any],
+        *,
+        step: int,
+        checkpoint_uri: str | None = None,
+        checkpoint_complete: bool = True,
+        keep: int | None = None,
+    ) -> bool:
+        """Store one report; False when the attempt is no longer current (fenced off)."""
+        body = {"metrics": finite_numbers(metrics), "step": step, "checkpoint_uri": checkpoint_uri,
+                "checkpoint_complete": checkpoint_complete, "keep": keep}  # fmt: skip
+        return bool(self._call("POST", "report", body)["recorded"])
+
+    def warning(self, code: str, message: str) -> bool:
+        return bool(self._call("POST", "warning", {"code": code, "message": message[:4000]})["recorded"])
+
+    def end(self, reason: str, message: str) -> bool:
+        return bool(self._call("POST", "end", {"reason": reason, "message": message[-8000:]})["recorded"])
+
+    def reported(self) -> bool:
+        return bool(self._call("GET", "reported")["reported"])
+
+    def spec(self) -> dict[str, Any]:
+        """The job's spec; a passing failure (connection, 5xx) is tried again a few times."""
+        for tries in range(1, SPEC_TRIES + 1):
+            try:
+                return dict(self._call("GET", "spec"))
+            except httpx.HTTPStatusError as exc:
+                if exc.response.status_code < 500 or tries == SPEC_TRIES:
+                    raise
+            except httpx.TransportError:
+                if tries == SPEC_TRIES:
+                    raise
+            time.sleep(0.5 * 2 ** (tries - 1))
+        raise AssertionError("unreachable")
