@@ -119,7 +119,7 @@ def test_job_seen_through_every_view(secured: Service, ray_head: LocalHead) -> N
     secured.stop()
     offline = Settings(
         database_url=f"sqlite:///{secured.data_dir / 'shunter.db'}", ray_address="127.0.0.1:9",
-        ray_dashboard_url="http://127.0.0.1:9", api_tokens=TOKENS,
+        ray_dashboard_url="http://127.0.0.1:9", api_tokens=TOKENS, data_dir=secured.data_dir,
     )  # fmt: skip
     runtime = Runtime.open(offline)
     try:
