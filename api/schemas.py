@@ -154,6 +154,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     403: {**_ERROR, "description": "the caller may not do this (e.g. an admin-only change)"},
     404: {**_ERROR, "description": "no such job, or not the caller's"},
     409: {**_ERROR, "description": "conflicts with the job's state or an idempotency key"},
+    413: {**_ERROR, "description": "the request body is over the service's limit (`SHUNTER_MAX_BODY_BYTES`)"},
     422: {**_ERROR, "description": "invalid request; `field` names the problem"},
     503: {
         **_ERROR,

@@ -12,10 +12,20 @@ import re
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from service import resources
+from service.numbers import NoBoolNumbers
 from service.strategy import StrategySpec, check_finite
 
 # Matched with fullmatch: `$` would also accept a trailing newline.
@@ -47,7 +57,7 @@ RUNTIME_ENV_KEYS = frozenset(
 )
 
 
-class StrictModel(BaseModel):
+class StrictModel(NoBoolNumbers):
     """Unknown fields are errors: a misspelt option must not be silently ignored."""
 
     # NaN and infinity are not JSON: a spec holding one would not come back the same from the database.
@@ -222,7 +232,7 @@ class Placement(str, Enum):
 
 class Resources(StrictModel):
     num_workers: int = Field(1, ge=1, le=4096)
-    use_gpu: bool = False
+    use_gpu: StrictBool = False
     resources_per_worker: dict[str, float | int | str] = Field(default_factory=dict)
     placement: Placement = Placement.pack
 
@@ -258,7 +268,7 @@ class Retries(StrictModel):
     max_attempts: int = Field(1, ge=1, le=100, description="whole runs by shunter, each resuming from a checkpoint")
     backoff_seconds: float = Field(30.0, ge=0, le=86400)
     max_backoff_seconds: float = Field(600.0, ge=0, le=86400)
-    retry_on_timeout: bool = Field(False, description="a timed-out attempt is retried only when asked")
+    retry_on_timeout: StrictBool = Field(False, description="a timed-out attempt is retried only when asked")
 
 
 class CheckpointSpec(StrictModel):

@@ -11,13 +11,15 @@ import math
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, StrictBool, field_validator, model_validator
+
+from service.numbers import NoBoolNumbers
 
 AUTO = "auto"
 DEFAULT_ZERO_STAGE = 2
 
 
-class _Strict(BaseModel):
+class _Strict(NoBoolNumbers):
     # NaN and infinity are not JSON: they would not survive the spec's trip through the database and the driver.
     model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
@@ -50,8 +52,8 @@ class MixedPrecision(str, Enum):
 
 class FSDPOptions(_Strict):
     sharding: Literal["full_shard", "shard_grad_op", "hybrid_shard"] = "full_shard"
-    cpu_offload: bool = False
-    activation_checkpointing: bool = False
+    cpu_offload: StrictBool = False
+    activation_checkpointing: StrictBool = False
     wrap_classes: list[str] | None = Field(
         None, description="transformer block class names to shard one by one; found from the model when unset"
     )
@@ -70,9 +72,9 @@ class DeepSpeedOptions(_Strict):
     zero_stage: int | None = Field(None, ge=0, le=3, description="ZeRO stage 0-3 (default 2)")
     offload_optimizer: Literal["cpu", "none"] | None = Field(None, description="cpu | none (default none)")
     offload_param: Literal["cpu", "none"] | None = Field(None, description="cpu | none (default none); needs stage 3")
-    overlap_comm: bool | None = Field(None, description="default false")
-    reduce_bucket_size: int | None = Field(None, gt=0)
-    allgather_bucket_size: int | None = Field(None, gt=0)
+    overlap_comm: StrictBool | None = Field(None, description="default false")
+    reduce_bucket_size: int | None = Field(None, gt=0, le=2**40)
+    allgather_bucket_size: int | None = Field(None, gt=0, le=2**40)
     config: dict[str, Any] | None = Field(None, description="a full DeepSpeed JSON config, used as is")
 
     @field_validator("config")
@@ -133,10 +135,10 @@ class StrategySpec(_Strict):
         None, ge=1, le=4096, description="micro-batches per optimizer step (default 1)"
     )
     gradient_clipping: float | None = Field(None, gt=0)
-    micro_batch_size: int | None = Field(None, ge=1, description="samples per worker per step")
+    micro_batch_size: int | None = Field(None, ge=1, le=2**20, description="samples per worker per step")
     scale_lr: Literal["none", "linear"] = "none"
-    base_batch_size: int | None = Field(None, ge=1)
-    seed: int | None = None
+    base_batch_size: int | None = Field(None, ge=1, le=2**30)
+    seed: int | None = Field(None, ge=0, le=2**32 - 1, description="numpy takes seeds below 2**32")
 
     @model_validator(mode="after")
     def _options_match_kind(self) -> StrategySpec:
@@ -240,7 +242,7 @@ class StrategySpec(_Strict):
         if not isinstance(zero, dict):
             raise ValueError(f"{where}.zero_optimization: must be a mapping")
         stage = zero.get("stage", 0)
-        if stage not in (0, 1, 2, 3):
+        if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
             raise ValueError(f"{where}.zero_optimization.stage: must be 0-3, got {stage!r}")
         if _device(zero.get("offload_param")) not in (None, "none") and stage != 3:
             raise ValueError(f"{where}.zero_optimization.offload_param: needs stage 3 (got {stage})")

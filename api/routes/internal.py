@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Path, Request, Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 from sqlmodel import Session
 
 from api.deps import RuntimeDep, SettingsDep
@@ -101,7 +101,7 @@ class ReportBody(_Body):
     metrics: dict[Annotated[str, Field(min_length=1, max_length=128)], Finite] = Field(default_factory=dict)
     step: int = Field(0, ge=0, le=MAX_STEP, description="the report's step (rank 0's `step`, else its index)")
     checkpoint_uri: str | None = Field(None, min_length=1, max_length=4096)
-    checkpoint_complete: bool = True
+    checkpoint_complete: StrictBool = True
     keep: int | None = Field(None, ge=1, le=100_000)
 
     @field_validator("metrics")

@@ -5,22 +5,24 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Path
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from api.deps import CallerDep, SessionDep, SettingsDep
 from api.schemas import ERROR_RESPONSES
 from service import queues
 from service.errors import Forbidden
+from service.numbers import NoBoolNumbers
 from service.scheduler import QueueLimit
 
 
-class QueueLimits(BaseModel):
+class QueueLimits(NoBoolNumbers):
     model_config = ConfigDict(extra="forbid")
 
-    max_running: int | None = Field(None, ge=0, description="jobs admitted at once")
-    max_cpus: float | None = Field(None, ge=0)
-    max_gpus: float | None = Field(None, ge=0)
-    preemption: bool = Field(False, description="may its jobs preempt lower-priority running jobs")
+    # Bounded so every value fits the database's columns (a 64-bit count answered 500 on SQLite).
+    max_running: int | None = Field(None, ge=0, le=1_000_000, description="jobs admitted at once")
+    max_cpus: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False)
+    max_gpus: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False)
+    preemption: StrictBool = Field(False, description="may its jobs preempt lower-priority running jobs")
 
 
 class QueuePublic(BaseModel):

@@ -151,24 +151,8 @@ def test_entrypoint_schema_says_what_the_model_accepts(entrypoint: dict) -> None
 REPO = Path(__file__).resolve().parents[2]
 ALL_CHECKS_EXAMPLES = 15  # per operation and phase: both runs take ~25 s here (~100 s on a loaded 2-core machine)
 ALL_CHECKS_SEED = 1  # a fixed seed: the same cases every run, so a failure here is reproducible with `st run`
-# Failures in code outside issue 12's item 5, reported to their owners: (operation, schemathesis failure code). Each
-# entry is the one place such a failure is let through; remove it with its fix, and the run must then find nothing.
-KNOWN_ELSEWHERE = {
-    # list_jobs: an opaque cursor the API never returned is refused with 422, which no JSON schema can rule out.
-    ("GET /v1/jobs", "ST202"),
-    # JobSpec outside the entrypoint: `0` taken as false for a bool (lax mode); scale_lr=linear needs
-    # base_batch_size, a cross-field rule the schema does not state.
-    ("POST /v1/jobs", "ST201"),
-    ("POST /v1/jobs", "ST202"),
-    # QueueLimits: `0` taken as false for `preemption`.
-    ("PUT /v1/queues/{name}", "ST201"),
-    # POST /v1/code: any bytes are a schema-valid `format: binary` body; only a zip archive is accepted (422).
-    ("POST /v1/code", "ST202"),
-    # The attempt API (/internal): its 413 for a body over 64 KiB is not documented, and an over-long message or an
-    # unknown end reason is refused (413) where the schema expects a 4xx it documents.
-    ("POST /internal/v1/attempts/{job_id}/{attempt}/end", "ST103"),
-    ("POST /internal/v1/attempts/{job_id}/{attempt}/end", "ST201"),
-}
+# Rules no JSON schema can state are allowed per operation, with the reason, in tests/api/schemathesis.toml; the run
+# must then find nothing at all.
 
 
 @pytest.fixture(params=["open", "tokens"])
@@ -210,7 +194,8 @@ def test_openapi_all_checks(noop_service: tuple[Service, dict[str, str]], tmp_pa
     svc, headers = noop_service
     report = tmp_path / "schemathesis.json"
     command = [
-        sys.executable, "-m", "schemathesis.cli", "run", f"{svc.url}/openapi.json", "--checks", "all",
+        sys.executable, "-m", "schemathesis.cli", "--config-file", str(REPO / "tests" / "api" / "schemathesis.toml"),
+        "run", f"{svc.url}/openapi.json", "--checks", "all",
         "--max-examples", str(ALL_CHECKS_EXAMPLES), "--seed", str(ALL_CHECKS_SEED), "--workers", "1",
         "--request-timeout", "10", "--no-shrink", "--report", "json", "--report-json-path", str(report),
         *(arg for name, value in headers.items() for arg in ("-H", f"{name}: {value}")),
@@ -221,10 +206,9 @@ def test_openapi_all_checks(noop_service: tuple[Service, dict[str, str]], tmp_pa
     result = json.loads(report.read_text())
     found = {(op, f["code"]) for f in result["failures"] for op in f["operations"]}
     cases = result["test_cases"]
-    let_through = sorted(found & KNOWN_ELSEWHERE)
     print(f"schemathesis --checks all ({'tokens' if headers else 'no tokens'}): {cases['generated']} cases, "
           f"{cases['unique_failures']} unique failures, {len(result['errors'])} errors in "
-          f"{result['running_time']:.1f}s; let through (KNOWN_ELSEWHERE): {let_through}")  # fmt: skip
+          f"{result['running_time']:.1f}s")  # fmt: skip
     assert result["complete"] and result["operations"]["tested"] == result["operations"]["selected"], result
     assert not result["errors"], run.stdout[-8000:]
-    assert not (found - KNOWN_ELSEWHERE), run.stdout[-15000:]
+    assert found == set(), run.stdout[-15000:]

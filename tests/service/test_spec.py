@@ -61,3 +61,27 @@ def test_memory_sizes() -> None:
     assert parse_memory(1024) == 1024
     with pytest.raises(ValueError):
         parse_memory("12 parsecs")
+
+
+@pytest.mark.parametrize(
+    ("part", "value"),
+    [
+        ({"resources": {"num_workers": True}}, "resources.num_workers"),
+        ({"retries": {"max_worker_failures": False}}, "retries.max_worker_failures"),
+        ({"retries": {"backoff_seconds": True}}, "retries.backoff_seconds"),
+        ({"retries": {"retry_on_timeout": 0}}, "retries.retry_on_timeout"),
+        ({"resources": {"use_gpu": 1}}, "resources.use_gpu"),
+        ({"strategy": {"seed": True}}, "strategy.seed"),
+        ({"strategy": {"seed": 2**40}}, "strategy.seed"),
+    ],
+)
+def test_a_bool_is_not_a_number_nor_a_number_a_bool(part: dict, value: str) -> None:
+    """JSON's true/false and 0/1 are different things (schemathesis found both read as the other)."""
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate({"entrypoint": {"callable": "a:b"}, **part})
+    assert value in {".".join(str(x) for x in e["loc"]) for e in info.value.errors()}
+
+
+def test_integral_numbers_still_count_as_integers() -> None:
+    spec = JobSpec.model_validate({"entrypoint": {"callable": "a:b"}, "retries": {"max_attempts": 2.0}})
+    assert spec.retries.max_attempts == 2
