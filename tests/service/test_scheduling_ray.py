@@ -66,7 +66,8 @@ def test_pack_and_spread_placement(svc: Service, multinode_shared: MultiNode, pl
 
 def test_higher_priority_job_preempts_and_the_preempted_one_resumes(svc: Service) -> None:
     low_spec = {
-        "name": "low", "priority": 0, "entrypoint": {"callable": "examples.gpt2_tiny:train_loop"},
+        # Preemption stays inside a queue (issue 12): the low job runs in the urgent queue too.
+        "name": "low", "priority": 0, "queue": "urgent", "entrypoint": {"callable": "examples.gpt2_tiny:train_loop"},
         "config": {"steps": 150, "checkpoint_every": 100, "step_sleep": 0.1},
         "resources": {"num_workers": 2}, "retries": {"max_attempts": 1},
     }  # fmt: skip
