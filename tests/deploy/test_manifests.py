@@ -211,3 +211,19 @@ def test_kuberay_api_and_dispatcher_deployments() -> None:
     owner = {e["name"]: e for e in dispatcher["env"]}["SHUNTER_DISPATCHER_ID"]
     assert owner["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert docs[("PersistentVolumeClaim", "shunter-checkpoints")]["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+SERVICE_SECRETS = ("SHUNTER_DATABASE_URL", "SHUNTER_API_TOKENS", "SHUNTER_PROGRESS_SECRET", "POSTGRES_PASSWORD",
+                   "AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN")  # fmt: skip
+
+
+def test_ray_nodes_get_no_service_secret() -> None:
+    """Jobs run on the Ray nodes: no setting of the service's that opens the database or the API reaches them."""
+    compose = _compose("docker-compose.yml")["services"]
+    ray_services = [name for name, svc in compose.items() if "ray" in " ".join(_command(svc))]
+    assert ray_services, "no Ray service found in docker-compose.yml"
+    for name in ray_services:
+        text = yaml.safe_dump(compose[name])
+        assert not [s for s in SERVICE_SECRETS if s in text], name
+    cluster = yaml.safe_dump(_kube()[("RayCluster", "shunter-ray")])
+    assert not [s for s in SERVICE_SECRETS if s in cluster]
