@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -31,7 +30,7 @@ from sqlmodel import Session
 from api.app import create_app
 from api.client import Client
 from service.backend import submission_id
-from service.db import make_engine, reachable
+from service.db import make_engine
 from service.host_files import HostFiles
 from service.migrate import upgrade
 from service.models import Attempt, Job, JobState, utcnow
@@ -42,7 +41,7 @@ from service.settings import Settings
 from service.state import transition
 from tests.api.conftest import GOOD, TOKENS
 from tests.conftest import wait_for
-from tests.service.conftest import PG_ADMIN_URL
+from tests.service.conftest import PG_ADMIN_URL, fresh_pg_database
 
 REPO = Path(__file__).resolve().parents[2]
 ALICE = {"Authorization": "Bearer tok-alice"}
@@ -96,25 +95,6 @@ def api_process(tmp_path: Path, database_url: str | None = None, **env: str) -> 
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
-
-
-@contextlib.contextmanager
-def pg_database() -> Iterator[str]:
-    """A fresh, empty PostgreSQL database (shunter's schema is made by the API on start); yields its URL."""
-    if not reachable(PG_ADMIN_URL):
-        if os.environ.get("CI"):
-            pytest.fail("PostgreSQL at 127.0.0.1:5432 is not reachable (CI must start it)")
-        pytest.skip("PostgreSQL not reachable")
-    name = f"shunter_test_{uuid.uuid4().hex[:12]}"
-    admin = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 def drop_database(url: str) -> None:
@@ -173,7 +153,7 @@ def test_many_streams_do_not_starve_other_requests(tmp_path: Path, database: str
     """20 follow streams of one caller (the cap raised), more than the engine's pool (5 + 10 overflow): requests
     still answer at once, because no stream holds a connection between its polls."""
     with contextlib.ExitStack() as stack:
-        db_url = stack.enter_context(pg_database()) if database == "postgres" else None
+        db_url = stack.enter_context(fresh_pg_database()) if database == "postgres" else None
         url = stack.enter_context(api_process(tmp_path, db_url, SHUNTER_MAX_STREAMS_PER_CALLER="64"))
         http = stack.enter_context(httpx.Client(base_url=url, timeout=httpx.Timeout(10.0)))
         job = http.post("/v1/jobs", json=GOOD).json()["id"]
@@ -399,7 +379,11 @@ def test_a_log_uri_in_the_database_is_never_opened(app_client: Callable[..., Tes
 
 def test_a_database_outage_answers_503_with_retry_after(tmp_path: Path) -> None:
     """A live `shunter api` on a fresh PostgreSQL database, which is then dropped under it."""
-    with pg_database() as db_url, api_process(tmp_path, db_url) as url, httpx.Client(base_url=url, timeout=30) as http:
+    with (
+        fresh_pg_database() as db_url,
+        api_process(tmp_path, db_url) as url,
+        httpx.Client(base_url=url, timeout=30) as http,
+    ):
         job = http.post("/v1/jobs", json=GOOD).json()["id"]
         assert http.get(f"/v1/jobs/{job}").status_code == 200
         drop_database(db_url)

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,11 +25,11 @@ import pytest
 from sqlalchemy import text
 
 from api.client import Client
-from service.db import make_engine, reachable
+from service.db import make_engine
 from service.ray_jobs import RayJobs
 from service.ray_local import LocalHead, ensure_local_head, free_port, head_environment, stop_local_head
 from tests.conftest import wait_for
-from tests.service.conftest import PG_ADMIN_URL, train_worker_nodes
+from tests.service.conftest import fresh_pg_database, train_worker_nodes
 from tests.service.test_e2e_serve import mlp_spec
 
 pytestmark = pytest.mark.slow
@@ -93,20 +92,8 @@ def processes_of_cluster(temp_dir: str, gcs_address: str) -> list[int]:
 @pytest.fixture
 def pg_url() -> Iterator[str]:
     """A fresh PostgreSQL database, dropped (connections and all) afterwards."""
-    if not reachable(PG_ADMIN_URL):
-        if os.environ.get("CI"):
-            pytest.fail("PostgreSQL at 127.0.0.1:5432 is not reachable (CI must start it)")
-        pytest.skip("PostgreSQL not reachable")
-    name = f"shunter_deploy_{uuid.uuid4().hex[:12]}"
-    admin = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with fresh_pg_database("shunter_deploy") as url:
+        yield url
 
 
 @dataclass

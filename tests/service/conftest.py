@@ -37,21 +37,30 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
         yield engine
         engine.dispose()
         return
+    with fresh_pg_database() as url:
+        engine = make_engine(url)
+        upgrade(engine)
+        yield engine
+        engine.dispose()
+
+
+@contextlib.contextmanager
+def fresh_pg_database(prefix: str = "shunter_test") -> Iterator[str]:
+    """A fresh, empty PostgreSQL database, dropped (connections and all) afterwards; yields its URL."""
     if not reachable(PG_ADMIN_URL):
         if os.environ.get("CI"):
             pytest.fail("PostgreSQL at 127.0.0.1:5432 is not reachable (CI must start it)")
         pytest.skip("PostgreSQL not reachable")
-    name = f"shunter_test_{uuid.uuid4().hex[:12]}"
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
     admin = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
-    engine = make_engine(PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}")
-    upgrade(engine)
-    yield engine
-    engine.dispose()
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+    try:
+        yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
 
 
 @dataclass
