@@ -40,7 +40,12 @@ def test_full_deepspeed_config_job_runs_and_does_not_hold_up_the_next(service: S
         after = c.submit(example("mlp-ddp.yaml", total_steps=20, checkpoint_every=10))
         ds_job = c.wait(ds.id, timeout=300)
         assert ds_job.state == "SUCCEEDED", ds_job.last_error
-        assert "ZeRO stage 3" in c.logs(ds.id)  # DeepSpeed's own line: the full config's stage was applied
+        assert "[shunter] deepspeed: ZeRO stage 3" in c.logs(ds.id)
+        # ZeRO-3 shards the model states too: one file per rank (stages 0-2 write a single mp_rank_00 file).
+        states = Path(ds_job.latest_checkpoint, "deepspeed", "shunter")
+        assert {p.name for p in states.glob("zero_pp_rank_*_mp_rank_00_model_states.pt")} == {
+            f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in (0, 1)
+        }
         assert c.wait(after.id, timeout=300).state == "SUCCEEDED"
 
 

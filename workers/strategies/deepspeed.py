@@ -170,6 +170,11 @@ def prepare_deepspeed(
     if "optimizer" in config and client is not None:
         log.warning("the DeepSpeed config has an optimizer section: it replaces the optimizer the train loop gave")
         client = None
+    if world()[0] == 0:  # what runs, in the job's log: a full config's values can differ from the short form's
+        zero = config.get("zero_optimization") or {}
+        micro, accumulation = config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps")
+        print(f"[shunter] deepspeed: ZeRO stage {zero.get('stage', 0)}, micro batch {micro}, accumulation "
+              f"{accumulation}, world size {world()[1]}", flush=True)  # fmt: skip
     engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
         model=model,
         optimizer=client,
