@@ -150,17 +150,23 @@ def create_app(
 
     @app.get("/readyz", tags=["health"], response_model=ReadyBody, responses={503: {"model": ReadyBody}})
     def readyz(rt: RuntimeDep) -> JSONResponse:
-        """Ready when both the database and Ray answer."""
+        """Ready when both the database and Ray answer; `why` names what is not."""
         checks = {"database": False, "ray": False}
+        why: dict[str, str] = {}
         try:
             with rt.engine.connect() as conn:
                 conn.execute(text("SELECT 1"))
             checks["database"] = True
-        except Exception:  # noqa: BLE001 - any failure means not ready
+        except Exception as exc:  # noqa: BLE001 - any failure means not ready
             log.warning("readiness: database check failed", exc_info=True)
-        checks["ray"] = rt.ray.ping()
+            why["database"] = f"not ready: database: {type(exc).__name__}"
+        problem = rt.ray.problem()
+        checks["ray"] = problem is None
+        if problem is not None:
+            why["ray"] = f"not ready: Ray: {problem}"
         ready = all(checks.values())
-        return JSONResponse(status_code=200 if ready else 503, content={"ready": ready, "checks": checks})
+        body = {"ready": ready, "checks": checks, "why": why}
+        return JSONResponse(status_code=200 if ready else 503, content=body)
 
     app.include_router(jobs_routes.router)
     app.include_router(events_routes.router)

@@ -144,6 +144,7 @@ class ClusterPublic(BaseModel):
 class ReadyBody(BaseModel):
     ready: bool
     checks: dict[str, bool]
+    why: dict[str, str] = {}  # for each failed check, what is wrong ("not ready: Ray: ...")
 
 
 _ERROR = {"model": ErrorBody}

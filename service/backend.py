@@ -67,6 +67,10 @@ class Backend(Protocol):
 
     def ping(self) -> bool: ...
 
+    def problem(self) -> str | None:
+        """Why the cluster cannot be used now (unreachable, reconnecting after a restart), or None."""
+        ...
+
     def info(self, submission_id: str) -> RayJobInfo | None:
         """The job's status, or None if the cluster has no job of that id."""
         ...

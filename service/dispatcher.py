@@ -274,6 +274,7 @@ class Dispatcher:
             reason=reason, attempt=job.attempt, max_attempts=retries.max_attempts,
             backoff_seconds=retries.backoff_seconds, max_backoff_seconds=retries.max_backoff_seconds,
             retry_on_timeout=retries.retry_on_timeout, preemptions=job.preemptions,
+            cluster_restarts=job.cluster_restarts, count_cluster_restarts=self.settings.count_cluster_restarts,
         )  # fmt: skip
         now = utcnow()
         with session_scope(self.engine) as session:
@@ -291,6 +292,8 @@ class Dispatcher:
                 if reason is EndReason.PREEMPTED:
                     values.update(preemptions=job.preemptions + 1, last_error=None)
                     message = "preempted for a higher-priority job"
+                elif reason is EndReason.CLUSTER_RESTARTED:
+                    values.update(cluster_restarts=job.cluster_restarts + 1)
                 transition(session, job, to=JobState.QUEUED, reason=reason.value, lease_token=job.lease_token,
                            actor=self.owner, message=f"{message[-500:]}; retrying in {decision.delay_seconds:.0f}s",
                            values=values)  # fmt: skip

@@ -51,7 +51,8 @@ class EndReason(str, Enum):
     TIMEOUT = "timeout"
     CANCELLED = "cancelled"
     PREEMPTED = "preempted"  # stopped to make room for a higher-priority job; requeued, not a failure
-    INFRA = "infra"  # Ray or shunter itself failed: submission refused, driver vanished, head restarted
+    CLUSTER_RESTARTED = "cluster_restarted"  # the Ray head restarted and lost its Jobs: not the job's fault
+    INFRA = "infra"  # Ray or shunter itself failed: submission refused, driver vanished
 
     def is_retryable(self) -> bool:
         return self in {
@@ -59,6 +60,7 @@ class EndReason(str, Enum):
             EndReason.NODE_LOST,
             EndReason.COLLECTIVE_TIMEOUT,
             EndReason.INFRA,
+            EndReason.CLUSTER_RESTARTED,
             EndReason.OUT_OF_MEMORY,
         }
 
@@ -140,6 +142,7 @@ class Job(SQLModel, table=True):
     end_reason: EndReason | None = Field(default=None, max_length=32)
     last_error: str | None = Field(default=None, sa_column=Column(Text))
     preemptions: int = 0  # attempts ended by preemption: requeued, not counted against max_attempts
+    cluster_restarts: int = 0  # attempts lost with a Ray head restart: not counted unless the settings say so
     preempt_requested_at: datetime | None = Field(default=None, sa_column=_tz())
 
     # Progress, written by the job's own Train callback (fenced by attempt), read by status without asking Ray.

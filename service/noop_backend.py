@@ -38,7 +38,10 @@ class NoopJobs:
         pass
 
     def ping(self) -> bool:
-        return self.dir.is_dir()
+        return self.problem() is None
+
+    def problem(self) -> str | None:
+        return None if self.dir.is_dir() else f"noop backend directory {self.dir} is gone"
 
     def info(self, submission_id: str) -> RayJobInfo | None:
         path = self.dir / submission_id

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from service.backend import SUBMISSION_PREFIX, ClusterView, NodeView, RayJobInfo
 from service.errors import InfraError
 
 log = logging.getLogger(__name__)
+RECONNECT_MIN_SECONDS, RECONNECT_MAX_SECONDS = 0.5, 10.0
 
 
 def ray_auth_headers() -> dict[str, str]:
@@ -38,6 +40,11 @@ class RayJobs:
         self._http = httpx.Client(base_url=self.dashboard_url, timeout=timeout, headers=ray_auth_headers())
         self._sdk: Any = None
         self._gcs: Any = None
+        # Reconnecting: a GCS client outlives its cluster (after a head restart every call fails with WrongClusterID),
+        # so a failed one is dropped and rebuilt, no sooner than the backoff allows.
+        self._gcs_retry_at = 0.0
+        self._gcs_backoff = 0.0
+        self.last_problem: str | None = None  # why Ray was last unusable, for /readyz; None once it answers again
 
     def close(self) -> None:
         self._http.close()
@@ -49,10 +56,22 @@ class RayJobs:
             raise InfraError(f"Ray dashboard at {self.dashboard_url} unreachable: {exc}") from exc
 
     def ping(self) -> bool:
+        return self.problem() is None
+
+    def problem(self) -> str | None:
+        """Why this cluster cannot be used now (its Jobs API or its GCS does not answer), or None."""
         try:
-            return self._http.get("/api/version", timeout=2.0).status_code == 200
-        except httpx.HTTPError:
-            return False
+            status = self._http.get("/api/version", timeout=2.0).status_code
+        except httpx.HTTPError as exc:
+            return f"Ray dashboard at {self.dashboard_url} unreachable: {type(exc).__name__}"
+        if status != 200:
+            return f"Ray dashboard at {self.dashboard_url} answered {status}"
+        if self.gcs_address:
+            try:
+                self._cluster_from_gcs()
+            except InfraError as exc:
+                return exc.detail
+        return None
 
     def info(self, submission_id: str) -> RayJobInfo | None:
         """The Ray Job's status, or None if Ray has no such job."""
@@ -127,12 +146,24 @@ class RayJobs:
     def _cluster_from_gcs(self) -> ClusterView:
         from ray._raylet import GcsClient
 
-        if self._gcs is None:
-            self._gcs = GcsClient(address=self.gcs_address)
+        now = time.monotonic()
+        if self._gcs is None and now < self._gcs_retry_at:
+            raise InfraError(f"reconnecting to Ray GCS at {self.gcs_address} in {self._gcs_retry_at - now:.1f}s "
+                             f"({self.last_problem})")  # fmt: skip
         try:
+            if self._gcs is None:
+                self._gcs = GcsClient(address=self.gcs_address)
             usage = self._gcs.get_all_resource_usage(timeout=5)
         except Exception as exc:  # noqa: BLE001 - the GCS client raises its own RpcError types
-            raise InfraError(f"Ray GCS at {self.gcs_address} unreachable: {exc}") from exc
+            # Gone, or a new cluster at the same address (WrongClusterID): rebuild every client on a later call.
+            self._gcs, self._sdk = None, None
+            self._gcs_backoff = min(max(self._gcs_backoff * 2, RECONNECT_MIN_SECONDS), RECONNECT_MAX_SECONDS)
+            self._gcs_retry_at = time.monotonic() + self._gcs_backoff
+            self.last_problem = (
+                f"Ray GCS at {self.gcs_address}: {str(exc).splitlines()[0][:300] if str(exc) else exc!r}"
+            )
+            raise InfraError(self.last_problem) from exc
+        self._gcs_backoff, self.last_problem = 0.0, None
         nodes = []
         for item in usage.resource_usage_data.batch:
             nodes.append(

@@ -154,7 +154,7 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _head_processes(temp_dir: str) -> list[int]:
+def head_processes(temp_dir: str) -> list[int]:
     import psutil
 
     pids = []
@@ -170,7 +170,7 @@ def stop_local_head(data_dir: Path, grace_seconds: float = 5.0) -> None:
     temp_dir = _temp_dir_for(data_dir)
     import psutil
 
-    pids = _head_processes(temp_dir)
+    pids = head_processes(temp_dir)
     # Workers and drivers of that head carry the session dir in their cmdline too; the GCS and raylet go last.
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -178,7 +178,7 @@ def stop_local_head(data_dir: Path, grace_seconds: float = 5.0) -> None:
     deadline = time.monotonic() + grace_seconds
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.1)
-    for pid in _head_processes(temp_dir):
+    for pid in head_processes(temp_dir):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
     (data_dir / STATE_FILE).unlink(missing_ok=True)

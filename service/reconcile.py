@@ -123,7 +123,7 @@ def decide(
         if job.spec_error is not None:
             return [Finish(EndReason.USER_ERROR, job.spec_error)]
         if attempt.submitted:
-            return [Finish(EndReason.INFRA, "Ray no longer knows this job (cluster restarted?)")]
+            return [Finish(EndReason.CLUSTER_RESTARTED, "Ray no longer knows this job: its head restarted")]
         if waited >= patience.submit_seconds:
             return [Finish(EndReason.INFRA, f"Ray did not accept the submission within {patience.submit_seconds:g}s")]
         return [Submit()]

@@ -23,6 +23,8 @@ def decide(
     max_backoff_seconds: float,
     retry_on_timeout: bool = False,
     preemptions: int = 0,
+    cluster_restarts: int = 0,
+    count_cluster_restarts: bool = False,
 ) -> RetryDecision:
     """Retry a retryable end while attempts remain, after exponential backoff (doubling, capped).
 
@@ -33,7 +35,13 @@ def decide(
         return RetryDecision(False, why="succeeded")
     if reason is EndReason.PREEMPTED:
         return RetryDecision(True, why="preempted: back to the queue, resuming from its checkpoint")
-    attempt -= preemptions  # preempted attempts were not failures: they do not use up max_attempts
+    if reason is EndReason.CLUSTER_RESTARTED and not count_cluster_restarts:
+        delay = min(backoff_seconds, max_backoff_seconds)
+        return RetryDecision(True, delay_seconds=delay, why="the Ray head restarted and lost the attempt: resuming "
+                             "from its checkpoint; this does not count against max_attempts")  # fmt: skip
+    # Preempted attempts were not failures, nor (unless counted) those a head restart took: they do not use up
+    # max_attempts.
+    attempt -= preemptions + (0 if count_cluster_restarts else cluster_restarts)
     if not (reason.is_retryable() or (reason is EndReason.TIMEOUT and retry_on_timeout)):
         return RetryDecision(False, why=f"{reason.value} is not retryable")
     if attempt >= max_attempts:

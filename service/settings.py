@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     # With an autoscaler, a job too big for today's cluster is held with a reason instead of refused.
     cluster_may_grow: bool = False
     preemption_grace_seconds: float = Field(60.0, ge=0)
+    # An attempt lost with a Ray head restart is retried from its checkpoint; by default it does not use up the job's
+    # retries.max_attempts (it was not the job's fault).
+    count_cluster_restarts: bool = False
 
     dispatcher_id: str | None = Field(None, description="default: hostname:pid; `serve` uses a stable one")
     dispatcher_tick_seconds: float = Field(0.5, gt=0)

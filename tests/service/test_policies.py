@@ -132,3 +132,27 @@ def test_preemption_stays_in_its_own_queue(others: list[Running], victims: list[
     chosen = preemption(result, [blocked], others, {"CPU": 0.0}, limits=limits)
     assert (chosen[1] if chosen else None) == victims
     assert chosen is None or chosen[0] is blocked
+
+
+@pytest.mark.parametrize(
+    ("attempt", "restarts", "counted", "retry"),
+    [
+        (1, 0, False, True),  # lost with the head: retried though max_attempts is 1
+        (3, 2, False, True),  # however often it happens, unless counted
+        (1, 0, True, False),  # counted: the one attempt is used up
+        (2, 1, True, False),
+    ],
+)
+def test_a_head_restart_does_not_use_up_attempts_unless_counted(
+    attempt: int, restarts: int, counted: bool, retry: bool
+) -> None:
+    decision = decide(reason=EndReason.CLUSTER_RESTARTED, attempt=attempt, max_attempts=1, backoff_seconds=5,
+                      max_backoff_seconds=60, cluster_restarts=restarts, count_cluster_restarts=counted)  # fmt: skip
+    assert decision.retry is retry
+
+
+def test_attempts_a_head_restart_took_do_not_count_later_either() -> None:
+    """A worker lost on attempt 3, after two attempts a head restart took: the job has used one of its two."""
+    decision = decide(reason=EndReason.WORKER_LOST, attempt=3, max_attempts=2, backoff_seconds=1,
+                      max_backoff_seconds=60, cluster_restarts=2)  # fmt: skip
+    assert decision.retry

@@ -50,7 +50,7 @@ ROWS = [
     ("submission refused past patience ends infra", JobFacts(S.STARTING), AttemptFacts(False, ago(121)), None,
      [Finish(R.INFRA, "Ray did not accept the submission within 120s")]),
     ("Ray lost a submitted job", JobFacts(S.RUNNING), AttemptFacts(True, ago(5)), None,
-     [Finish(R.INFRA, "Ray no longer knows this job (cluster restarted?)")]),
+     [Finish(R.CLUSTER_RESTARTED, "Ray no longer knows this job: its head restarted")]),
     ("cancelled before Ray had it", JobFacts(S.CANCELLING), AttemptFacts(False, ago(1)), None,
      [Finish(R.CANCELLED, "cancelled before Ray started it")]),
     ("stored spec broken, never submitted", JobFacts(S.STARTING, spec_error="spec: bad"), AttemptFacts(False, ago(1)),

@@ -1,0 +1,126 @@
+"""Issue 13's scenario: an external Ray head runs two 1-worker jobs for shunter; mid-training the head is killed and
+started again at the same address (a KubeRay head pod restart, a rebooted head machine). shunter reconnects without
+being restarted, says why it is not ready meanwhile, and both jobs resume from their checkpoints and succeed; the
+lost attempts end as `cluster_restarted` and do not use up `max_attempts`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.ray_local import dashboard_answers, free_port, head_environment, head_processes
+from tests.conftest import wait_for
+from tests.service.conftest import Service
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+class ExternalHead:
+    """A `ray start --head --block` in its own process group, at fixed ports, that a test can kill and start again."""
+
+    def __init__(self) -> None:
+        self.port, self.dashboard_port = free_port(), free_port()
+        self.client_port, self.agent_port = free_port(), free_port()
+        self.temp_dir = tempfile.mkdtemp(prefix="shrh-", dir="/tmp")  # short: Ray's socket paths < 108 bytes
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def gcs_address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def start(self) -> None:
+        cmd = [
+            str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+            f"--port={self.port}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={self.client_port}",
+            f"--dashboard-agent-listen-port={self.agent_port}", f"--temp-dir={self.temp_dir}", "--num-cpus=3",
+            "--disable-usage-stats",
+        ]  # fmt: skip
+        log = open(Path(self.temp_dir) / "head.log", "ab")  # noqa: SIM115 - the child keeps it
+        self.proc = subprocess.Popen(cmd, env=head_environment(str(REPO)), stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)  # fmt: skip
+        wait_for(lambda: dashboard_answers(self.dashboard_url), timeout=120, what="the Ray head's dashboard")
+
+    def kill(self) -> None:
+        """As a node dies: SIGKILL to the head and every process of its session, no clean shutdown."""
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        for pid in head_processes(self.temp_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not head_processes(self.temp_dir), timeout=30, what="the old head's processes to end")
+
+
+@pytest.fixture
+def head() -> Iterator[ExternalHead]:
+    h = ExternalHead()
+    h.start()
+    yield h
+    h.kill()
+
+
+def test_jobs_survive_a_head_restart_without_restarting_shunter(tmp_path: Path, head: ExternalHead) -> None:
+    port = free_port()
+    env = dict(os.environ)
+    env.update({
+        "SHUNTER_DATABASE_URL": f"sqlite:///{tmp_path / 'shunter.db'}", "SHUNTER_DATA_DIR": str(tmp_path),
+        "SHUNTER_STORAGE_URI": str(tmp_path / "checkpoints"), "SHUNTER_RAY_ADDRESS": head.gcs_address,
+        "SHUNTER_RAY_DASHBOARD_URL": head.dashboard_url, "SHUNTER_PORT": str(port),
+        "SHUNTER_DISPATCHER_TICK_SECONDS": "0.25", "SHUNTER_LEASE_SECONDS": "5", "SHUNTER_TRAIN_POLL_SECONDS": "0.1",
+        "PYTHONUNBUFFERED": "1",
+    })  # fmt: skip
+    svc = Service(data_dir=tmp_path, port=port, env=env).start()
+    try:
+        http = httpx.Client(base_url=svc.url, timeout=30)
+        spec = {"entrypoint": {"callable": "examples.mlp:train_loop"}, "resources": {"num_workers": 1},
+                "config": {"total_steps": 60, "checkpoint_every": 10, "report_every": 1, "step_sleep": 0.15},
+                "retries": {"max_attempts": 1, "backoff_seconds": 1}}  # fmt: skip
+        ids = [http.post("/v1/jobs", json=spec).json()["id"] for _ in range(2)]
+
+        def checkpointed() -> bool:
+            return all(len(http.get(f"/v1/jobs/{i}/checkpoints").json()) >= 1 for i in ids)
+
+        wait_for(checkpointed, timeout=240, what="both jobs past their first checkpoint")
+        head.kill()
+        ready = wait_for(lambda: (r := http.get("/readyz")).status_code == 503 and r.json(), timeout=30,
+                         what="/readyz to say Ray is not ready")  # fmt: skip
+        assert ready["why"]["ray"].startswith("not ready: Ray"), ready  # type: ignore[index]
+        time.sleep(2)
+        head.start()  # the same address, a new cluster: Ray's job table is gone
+        wait_for(lambda: http.get("/readyz").status_code == 200, timeout=60, what="/readyz ready again")
+
+        def ended() -> bool:
+            return all(http.get(f"/v1/jobs/{i}").json()["state"] in ("SUCCEEDED", "FAILED") for i in ids)
+
+        wait_for(ended, timeout=400, interval=1.0, what="both jobs to end")
+        for job_id in ids:
+            job = http.get(f"/v1/jobs/{job_id}").json()
+            assert (job["state"], job["step"]) == ("SUCCEEDED", 60), job
+            attempts = http.get(f"/v1/jobs/{job_id}/attempts").json()
+            assert attempts[0]["end_reason"] == "cluster_restarted" and job["attempt"] >= 2, attempts
+            # Resumed: the first step of the last attempt follows a checkpoint of an earlier one.
+            metrics = http.get(f"/v1/jobs/{job_id}/metrics", params={"name": "loss"}).json()
+            first = min(m["step"] for m in metrics if m["attempt"] == job["attempt"])
+            saved = {
+                c["step"] for c in http.get(f"/v1/jobs/{job_id}/checkpoints").json() if c["attempt"] < job["attempt"]
+            }
+            assert first - 1 in saved and first > 1, (first, saved)
+    finally:
+        svc.stop()
