@@ -43,7 +43,8 @@ def record_report(
     """Store one `ray.train.report` (rank 0's metrics, and the checkpoint if any). False if fenced off.
 
     Only a complete checkpoint becomes the job's latest; with `keep`, older complete ones beyond the newest `keep`
-    are marked pruned, as Ray Train's `num_to_keep` deletes them.
+    are marked pruned, as Ray Train's `num_to_keep` deletes them. A report of a checkpoint this attempt already
+    recorded is a replay (the driver's final report, a retried send): it sets the progress and adds no rows.
     """
     numeric = _numeric(metrics)
     step = int(metrics["step"]) if isinstance(metrics.get("step"), int | float) else report_index
@@ -61,6 +62,12 @@ def record_report(
         if result.rowcount != 1:  # type: ignore[attr-defined]
             session.rollback()
             return False
+        if checkpoint_uri and session.exec(
+            select(Checkpoint.id).where(Checkpoint.job_id == job_id, Checkpoint.attempt == attempt,
+                                        Checkpoint.uri == checkpoint_uri).limit(1)
+        ).first() is not None:  # fmt: skip
+            session.commit()
+            return True
         for name, value in numeric.items():
             if name != "step":
                 session.add(Metric(job_id=job_id, attempt=attempt, step=step, name=name, value=value, at=now))

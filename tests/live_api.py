@@ -55,10 +55,10 @@ def add_attempt(engine: Engine, job: Job) -> None:
 
 
 @contextmanager
-def live_api(engine: Engine, tmp_path: Path, **settings: object) -> Iterator[LiveApi]:
+def live_api(engine: Engine, tmp_path: Path, *, port: int | None = None, **settings: object) -> Iterator[LiveApi]:
     conf = Settings(database_url=str(engine.url), data_dir=tmp_path / "api-data", **settings)  # type: ignore[arg-type]
     runtime = Runtime(settings=conf, engine=engine, ray=NoopJobs(tmp_path / "noop"))
-    port = free_port()
+    port = port or free_port()
     server = uvicorn.Server(
         uvicorn.Config(create_app(runtime=runtime), host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     )

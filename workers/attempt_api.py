@@ -17,6 +17,14 @@ import httpx
 
 TIMEOUT = httpx.Timeout(5.0, connect=2.0)  # short: a report waits for it in the Train controller
 SPEC_TRIES = 5
+TRANSIENT_STATUS = frozenset({500, 502, 503, 504})  # the API restarting, or its database away: try again
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether a failed call may succeed if made again (the API down or restarting), rather than a refusal."""
+    if isinstance(exc, httpx.HTTPStatusError):
+        return exc.response.status_code in TRANSIENT_STATUS
+    return isinstance(exc, httpx.TransportError)
 
 
 @functools.lru_cache(maxsize=8)
@@ -48,10 +56,19 @@ class AttemptApi:
     def _path(self, what: str) -> str:
         return f"/internal/v1/attempts/{self.job_id}/{self.attempt}/{what}"
 
-    def _call(self, method: str, what: str, body: dict[str, Any] | None = None) -> Any:
-        response = _client(self.url.rstrip("/"), self.token).request(method, self._path(what), json=body)
-        response.raise_for_status()
-        return response.json()
+    def _call(self, method: str, what: str, body: dict[str, Any] | None = None, *, patience: float = 0.0) -> Any:
+        """One call; a transient failure is tried again (backoff 0.25 s doubling) for up to `patience` seconds."""
+        deadline, delay = time.monotonic() + patience, 0.25
+        while True:
+            try:
+                response = _client(self.url.rstrip("/"), self.token).request(method, self._path(what), json=body)
+                response.raise_for_status()
+                return response.json()
+            except (httpx.HTTPStatusError, httpx.TransportError) as exc:
+                if not transient(exc) or time.monotonic() + delay > deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
     def report(
         self,
@@ -61,17 +78,30 @@ class AttemptApi:
         checkpoint_uri: str | None = None,
         checkpoint_complete: bool = True,
         keep: int | None = None,
+        patience: float = 0.0,
     ) -> bool:
         """Store one report; False when the attempt is no longer current (fenced off)."""
-        body = {"metrics": finite_numbers(metrics), "step": step, "checkpoint_uri": checkpoint_uri,
+        body = self.report_body(metrics, step=step, checkpoint_uri=checkpoint_uri,
+                                checkpoint_complete=checkpoint_complete, keep=keep)  # fmt: skip
+        return self.send_report(body, patience=patience)
+
+    @staticmethod
+    def report_body(
+        metrics: dict[str, Any], *, step: int, checkpoint_uri: str | None = None, checkpoint_complete: bool = True,
+        keep: int | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        return {"metrics": finite_numbers(metrics), "step": step, "checkpoint_uri": checkpoint_uri,
                 "checkpoint_complete": checkpoint_complete, "keep": keep}  # fmt: skip
-        return bool(self._call("POST", "report", body)["recorded"])
+
+    def send_report(self, body: dict[str, Any], *, patience: float = 0.0) -> bool:
+        return bool(self._call("POST", "report", body, patience=patience)["recorded"])
 
     def warning(self, code: str, message: str) -> bool:
         return bool(self._call("POST", "warning", {"code": code, "message": message[:4000]})["recorded"])
 
-    def end(self, reason: str, message: str) -> bool:
-        return bool(self._call("POST", "end", {"reason": reason, "message": message[-8000:]})["recorded"])
+    def end(self, reason: str, message: str, *, patience: float = 0.0) -> bool:
+        body = {"reason": reason, "message": message[-8000:]}
+        return bool(self._call("POST", "end", body, patience=patience)["recorded"])
 
     def reported(self) -> bool:
         return bool(self._call("GET", "reported")["reported"])

@@ -46,7 +46,11 @@ def classify_failure(exc: BaseException) -> EndReason:
         return EndReason.NODE_LOST
     health = {"WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError"}
     lost = {"ActorDiedError", "WorkerCrashedError", "ActorUnavailableError"} | health
-    if names & lost or "worker process has died" in lowered or "health check failed" in lowered:
+    # A surviving rank's collective fails first when a peer dies (gloo: "Connection closed by peer ... typically caused
+    # by a remote worker crashing"); under load that arrives before Ray's own report of the dead worker.
+    peer_gone = any(p in lowered for p in ("connection closed by peer", "connection reset by peer",
+                                           "remote worker crashing", "remote process exited"))  # fmt: skip
+    if names & lost or peer_gone or "worker process has died" in lowered or "health check failed" in lowered:
         return EndReason.NODE_LOST if _named_node_is_dead(text) else EndReason.WORKER_LOST
     if names & {"WorkerGroupStartupTimeoutError", "InsufficientClusterResourcesError"}:
         return EndReason.NO_RESOURCES
@@ -161,6 +165,8 @@ def run(spec: JobSpec, *, job_id: str, attempt: int, storage: str, api: AttemptA
         trainer = build_trainer(spec, job_id=job_id, attempt=attempt, storage=storage, api=api)
         result = trainer.fit()
         log.info("training finished; final checkpoint: %s", getattr(result.checkpoint, "path", None))
+        if api is not None:
+            report_final(api, result, keep=spec.checkpoint.keep)
         expected = strategy_to_check(spec)
         if expected and api is not None:
             # The Train callback checked the first report; this covers a run with none. (A failed run that never
@@ -176,10 +182,34 @@ def run(spec: JobSpec, *, job_id: str, attempt: int, storage: str, api: AttemptA
         traceback.print_exc()
     if api is not None and reason is not EndReason.SUCCEEDED:
         try:
-            api.end(reason.value, message)
+            api.end(reason.value, message, patience=FINAL_PATIENCE_SECONDS)
         except Exception:  # noqa: BLE001 - the exit code still tells the dispatcher the attempt failed
             log.exception("could not record the end of the attempt")
     return reason, message
+
+
+FINAL_PATIENCE_SECONDS = 60.0  # the last word of an attempt waits this long for an API that is restarting
+
+
+def report_final(api: AttemptApi, result: object, *, keep: int | None) -> None:
+    """The run's last checkpointed report, sent again from the driver, patiently: if the API was away when the Train
+    callback sent it (and the controller is gone with its outbox), the job's step and latest checkpoint still land.
+    The API takes a report of a checkpoint it already has as a replay (progress only, no second row)."""
+    metrics = dict(getattr(result, "metrics", None) or {})
+    checkpoint = getattr(result, "checkpoint", None)
+    step = metrics.get("step")
+    if checkpoint is None or not isinstance(step, int | float) or isinstance(step, bool):
+        return  # nothing that says where the run ended, or nothing to tell a replay by
+    from workers.context import STRATEGY_METRIC
+    from workers.progress import checkpoint_is_complete, checkpoint_uri_of
+
+    metrics.pop(STRATEGY_METRIC, None)
+    uri, complete = checkpoint_uri_of(checkpoint), checkpoint_is_complete(checkpoint)
+    try:
+        api.report(metrics, step=int(step), checkpoint_uri=uri, checkpoint_complete=complete, keep=keep,
+                   patience=FINAL_PATIENCE_SECONDS)  # fmt: skip
+    except Exception:  # noqa: BLE001 - the run succeeded; its last progress point is not worth failing it
+        log.exception("could not record the final report")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 It runs in the Ray Train controller (one process per run), after all ranks reported: rank 0's metrics become the
 job's progress and metric series, and each persisted checkpoint a `Checkpoint` row. They go to the internal API with
-the attempt's own token (`workers.attempt_api`), never to the database directly. A failed write (the API down, a
-timeout, a refusal) is logged and skipped: losing one progress point must never fail a training run.
+the attempt's own token (`workers.attempt_api`), never to the database directly. A report the API could not take
+because it was down or restarting is tried again for a moment, then kept (the newest `OUTBOX` of them, checkpoint
+reports first) and sent before the next one; the driver sends the run's final report itself once `fit()` returns.
+A refusal is logged and skipped: losing one progress point must never fail a training run.
 
 It also checks that the train loop applied the strategy the spec asked for. A plain Ray Train loop that never calls
 `workers.strategies.prepare` runs as it is written (DDP with `ray.train.torch.prepare_model`) whatever `strategy.kind`
@@ -24,6 +26,8 @@ from workers.attempt_api import AttemptApi
 from workers.context import STRATEGY_METRIC
 
 log = logging.getLogger(__name__)
+REPORT_PATIENCE_SECONDS = 2.0  # how long one report may wait for the API to come back (the loop waits with it)
+OUTBOX = 200  # reports kept while the API is away
 STRATEGY_NOT_APPLIED = "strategy_not_applied"  # the warning's code (its event's reason)
 
 
@@ -35,6 +39,7 @@ class ProgressCallback(UserCallback):
         self.keep = keep  # None: the spec's `checkpoint.keep`, read in the controller (from the API)
         self.strategy = strategy  # the strategy kind the loop must apply itself (fsdp, deepspeed); None: no check
         self._reports = 0
+        self._outbox: list[dict[str, Any]] = []  # report bodies the API could not take yet, oldest first
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
         self._reports += 1
@@ -42,15 +47,42 @@ class ProgressCallback(UserCallback):
         applied = rank0.pop(STRATEGY_METRIC, None)  # shunter's marker, not a metric of the job
         if self._reports == 1 and self.strategy and applied != self.strategy:
             warn_strategy_not_applied(self.api, job_id=self.job_id, expected=self.strategy, applied=applied)
-        uri = _checkpoint_uri(checkpoint) if checkpoint is not None else None
+        uri = checkpoint_uri_of(checkpoint) if checkpoint is not None else None
         try:
-            complete = _checkpoint_complete(checkpoint) if checkpoint is not None else True
+            complete = checkpoint_is_complete(checkpoint) if checkpoint is not None else True
             step = rank0.get("step")
             numeric = isinstance(step, int | float) and not isinstance(step, bool) and math.isfinite(step)
             step = int(step) if numeric else self._reports
-            self.api.report(rank0, step=step, checkpoint_uri=uri, checkpoint_complete=complete, keep=self._keep())
+            body = self.api.report_body(rank0, step=step, checkpoint_uri=uri, checkpoint_complete=complete,
+                                        keep=self._keep())  # fmt: skip
         except Exception:  # noqa: BLE001 - see module docstring
-            log.exception("shunter: could not record report %d of job %s", self._reports, self.job_id)
+            log.exception("shunter: could not read report %d of job %s", self._reports, self.job_id)
+            return
+        self._outbox.append(body)
+        self._deliver()
+
+    def _deliver(self) -> None:
+        """Send what the outbox holds, oldest first; stop at the first transient failure and keep the rest."""
+        from workers.attempt_api import transient
+
+        while self._outbox:
+            body = self._outbox[0]
+            try:
+                self.api.send_report(body, patience=REPORT_PATIENCE_SECONDS if len(self._outbox) == 1 else 0.0)
+            except Exception as exc:  # noqa: BLE001 - see module docstring
+                if transient(exc):
+                    log.warning("shunter: API unavailable, %d report(s) of job %s kept: %s", len(self._outbox),
+                                self.job_id, exc)  # fmt: skip
+                    self._trim()
+                    return
+                log.exception("shunter: report of job %s refused", self.job_id)
+            self._outbox.pop(0)
+
+    def _trim(self) -> None:
+        """Bound the outbox: drop the oldest reports without a checkpoint first."""
+        while len(self._outbox) > OUTBOX:
+            plain = next((i for i, b in enumerate(self._outbox) if not b.get("checkpoint_uri")), 0)
+            self._outbox.pop(plain)
 
     def _keep(self) -> int | None:
         if self.keep is not None:
@@ -100,7 +132,7 @@ def warn_if_never_reported(api: AttemptApi, *, expected: str) -> None:
     warn_strategy_not_applied(api, job_id=api.job_id, expected=expected)
 
 
-def _checkpoint_complete(checkpoint: Checkpoint) -> bool:
+def checkpoint_is_complete(checkpoint: Checkpoint) -> bool:
     from workers.storage import checkpoint_complete
 
     try:
@@ -110,7 +142,7 @@ def _checkpoint_complete(checkpoint: Checkpoint) -> bool:
         return False
 
 
-def _checkpoint_uri(checkpoint: Checkpoint) -> str:
+def checkpoint_uri_of(checkpoint: Checkpoint) -> str:
     """`s3://bucket/key` for an S3 checkpoint (Ray keeps the path without its scheme), the path for a local one."""
     from workers.storage import uri_of
 

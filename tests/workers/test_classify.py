@@ -28,6 +28,9 @@ def group(*errors: Exception) -> WorkerGroupError:
     [
         (group(UserExceptionWithTraceback(RuntimeError("boom"), "tb")), EndReason.USER_ERROR),
         (group(RuntimeError("injected failure at step 5")), EndReason.USER_ERROR),
+        # A surviving rank's view of a dead peer (seen on a node loss under load, before Ray reported the worker).
+        (group(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:25286. This is "
+                            "typically caused by a remote worker crashing.")), EndReason.WORKER_LOST),
         (group(WorkerHealthCheckFailedError("A worker health check failed.", RuntimeError(GENERIC_DEATH))),
          EndReason.WORKER_LOST),
         (group(RuntimeError(GENERIC_DEATH)), EndReason.WORKER_LOST),  # "OOM killer" in the hint is not an OOM

@@ -1,0 +1,71 @@
+"""Progress reaches shunter through its API, which may be restarting (a `kill -9`, a rolling update): reports wait a
+moment, are kept while it is away, and arrive in order once it answers; a replayed checkpoint report adds nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from service import attempt_tokens
+from service.models import Checkpoint, Job, JobState, Metric
+from service.progress import record_report
+from service.ray_local import free_port
+from tests.live_api import add_attempt, live_api
+from workers.attempt_api import AttemptApi
+from workers.progress import OUTBOX, ProgressCallback
+
+SECRET = "delivery-test-key-" + "k" * 24
+SPEC = {"entrypoint": {"callable": "examples.mlp:train_loop"}}
+
+
+def running_job(db: Engine) -> Job:
+    job = Job(name="j", spec=SPEC, state=JobState.RUNNING, attempt=1)
+    add_attempt(db, job)
+    return job
+
+
+def steps(db: Engine, job_id: str) -> list[int | None]:
+    with Session(db) as session:
+        rows = session.exec(
+            select(Metric).where(Metric.job_id == job_id, Metric.name == "loss").order_by(col(Metric.id))
+        )
+        return [m.step for m in rows]
+
+
+def test_reports_are_kept_while_the_api_is_away_and_arrive_in_order(db: Engine, tmp_path: Path) -> None:
+    job = running_job(db)
+    port = free_port()  # nothing listens yet: the API is down
+    token = attempt_tokens.issue(job.id, 1, SECRET)
+    callback = ProgressCallback(api=AttemptApi(f"http://127.0.0.1:{port}", token, job.id, 1), keep=3)
+    callback.after_report(None, [{"step": 1, "loss": 1.0}], None)
+    callback.after_report(None, [{"step": 2, "loss": 0.5}], None)
+    assert len(callback._outbox) == 2 and steps(db, job.id) == []
+    with live_api(db, tmp_path, port=port, progress_secret=SECRET):
+        callback.after_report(None, [{"step": 3, "loss": 0.25}], None)
+    assert callback._outbox == []
+    assert steps(db, job.id) == [1, 2, 3]
+    with Session(db) as session:
+        assert session.get(Job, job.id).step == 3  # type: ignore[union-attr]
+
+
+def test_the_outbox_is_bounded_and_keeps_checkpoint_reports(db: Engine) -> None:
+    job = running_job(db)
+    api = AttemptApi(f"http://127.0.0.1:{free_port()}", attempt_tokens.issue(job.id, 1, SECRET), job.id, 1)
+    callback = ProgressCallback(api=api, keep=3)
+    callback._outbox = [api.report_body({"loss": 1.0}, step=i, checkpoint_uri="/c/1" if i == 0 else None)
+                        for i in range(OUTBOX + 5)]  # fmt: skip
+    callback._deliver()  # the API is away: nothing sent, the oldest plain reports dropped
+    assert len(callback._outbox) == OUTBOX
+    assert callback._outbox[0]["checkpoint_uri"] == "/c/1" and callback._outbox[-1]["step"] == OUTBOX + 4
+
+
+def test_a_replayed_checkpoint_report_adds_no_rows(db: Engine) -> None:
+    job = running_job(db)
+    for _ in range(2):  # the Train callback's report, then the driver's final one
+        assert record_report(db, job_id=job.id, attempt=1, metrics={"step": 20, "loss": 0.1}, checkpoint_uri="/c/20")
+    with Session(db) as session:
+        assert len(session.exec(select(Checkpoint).where(Checkpoint.job_id == job.id)).all()) == 1
+        assert session.get(Job, job.id).latest_checkpoint == "/c/20"  # type: ignore[union-attr]
+    assert steps(db, job.id) == [20]
