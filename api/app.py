@@ -89,7 +89,12 @@ def create_app(
         lifespan=lifespan,
     )
 
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, per_path={"/v1/code": settings.max_code_bytes})
+    per_path = {
+        "/v1/code": settings.max_code_bytes,
+        # Reports are small: never more than the attempt API's own bound, nor than the service's.
+        internal_routes.PREFIX: min(settings.max_body_bytes, internal_routes.MAX_BODY_BYTES),
+    }
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, per_path=per_path)
     registry = metrics.install(app)
 
     @app.exception_handler(ShunterError)

@@ -10,11 +10,9 @@ numbers.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, HTTPException, Path, Request, Response
-from fastapi.routing import APIRoute
+from fastapi import APIRouter, Depends, Header, Path
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 from sqlmodel import Session
 
@@ -24,7 +22,7 @@ from service import attempt_tokens, progress
 from service.errors import Conflict, Forbidden, NotFound, Unauthorized
 from service.models import ACTIVE_STATES, EndReason, Job
 
-MAX_BODY_BYTES = 64 * 1024
+MAX_BODY_BYTES = 64 * 1024  # enforced while the body is read, by api.limits.BodyLimit (see api/app.py)
 MAX_METRICS = 256
 MAX_STEP = 2**31 - 1  # jobs.step and metrics.step are 32-bit integers on PostgreSQL
 # What a driver may say about its own end: never success (Ray tells that), preemption or a timeout (the
@@ -32,37 +30,8 @@ MAX_STEP = 2**31 - 1  # jobs.step and metrics.step are 32-bit integers on Postgr
 DRIVER_END_REASONS = frozenset(EndReason) - {EndReason.SUCCEEDED, EndReason.PREEMPTED, EndReason.TIMEOUT}
 
 
-class _BoundedRequest(Request):
-    async def body(self) -> bytes:
-        if not hasattr(self, "_body"):
-            declared = self.headers.get("content-length", "")
-            if declared and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
-                raise HTTPException(413, f"body: larger than {MAX_BODY_BYTES} bytes")
-            chunks, size = [], 0
-            async for chunk in self.stream():
-                size += len(chunk)
-                if size > MAX_BODY_BYTES:
-                    raise HTTPException(413, f"body: larger than {MAX_BODY_BYTES} bytes")
-                chunks.append(chunk)
-            self._body = b"".join(chunks)
-        return self._body
-
-
-class _BoundedRoute(APIRoute):
-    """Reads at most `MAX_BODY_BYTES` of a body before parsing it (a chunked body without a length included)."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def bounded(request: Request) -> Response:
-            return await handler(_BoundedRequest(request.scope, request.receive))
-
-        return bounded
-
-
-router = APIRouter(
-    prefix="/internal/v1/attempts", tags=["internal"], responses=ERROR_RESPONSES, route_class=_BoundedRoute
-)
+PREFIX = "/internal/v1/attempts"
+router = APIRouter(prefix=PREFIX, tags=["internal"], responses=ERROR_RESPONSES)
 
 JobId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 AttemptNo = Annotated[int, Path(ge=1, le=1_000_000)]
