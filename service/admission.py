@@ -17,7 +17,7 @@ from sqlmodel import Session, col, select
 from service import leases, queues, resources, scheduler
 from service.backend import ClusterView, submission_id
 from service.db import session_scope
-from service.models import Attempt, EndReason, EventKind, Job, JobState, utcnow
+from service.models import ACTIVE_STATES, Attempt, EndReason, EventKind, Job, JobState, utcnow
 from service.settings import Settings
 from service.spec import JobSpec
 from service.state import record_event, transition
@@ -56,7 +56,9 @@ def admit(
         if not waiting:
             return [], []
         nodes = [scheduler.NodeFree(n.node_id, dict(n.available)) for n in cluster.nodes if n.alive]
-        active = session.exec(select(Job).where(col(Job.state).in_([JobState.STARTING, JobState.RUNNING]))).all()
+        # Every admitted job counts against its queue's limits; the placed and unplaced ones may also be preempted.
+        admitted = session.exec(select(Job).where(col(Job.state).in_(ACTIVE_STATES))).all()
+        active = [j for j in admitted if j.state in (JobState.STARTING, JobState.RUNNING)]
         # Jobs admitted but not yet placed by Ray still count against the free room Ray reports.
         for job in active:
             if job.state == JobState.STARTING:
@@ -67,7 +69,7 @@ def admit(
             candidates,
             nodes,
             limits=limits,
-            usage=queues.usage(session, resources_of),
+            usage=queues.usage_of(admitted, resources_of),
             now=now.timestamp(),
             reserve_after_seconds=settings.reserve_after_seconds,
         )

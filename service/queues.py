@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -35,10 +35,14 @@ def limits(session: Session, settings: Settings) -> dict[str, QueueLimit]:
 
 def usage(session: Session, totals: Callable[[Job], dict[str, float]] | None = None) -> dict[str, QueueUsage]:
     """What each queue's admitted jobs hold now (`totals` may supply cached per-job resources)."""
+    return usage_of(session.exec(select(Job).where(col(Job.state).in_(ACTIVE_STATES))).all(), totals)
+
+
+def usage_of(admitted: Iterable[Job], totals: Callable[[Job], dict[str, float]] | None = None) -> dict[str, QueueUsage]:
+    """What each queue's admitted (active) jobs among `admitted` hold."""
     out: dict[str, QueueUsage] = {}
-    for job in session.exec(select(Job).where(col(Job.state).in_(ACTIVE_STATES))).all():
-        total = totals(job) if totals else _total(job)
-        out.setdefault(job.queue, QueueUsage()).add(total)
+    for job in admitted:
+        out.setdefault(job.queue, QueueUsage()).add(totals(job) if totals else _total(job))
     return out
 
 
