@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from service.errors import InfraError
+from service.storage import STORE_LOCATION_ENV
 
 log = logging.getLogger(__name__)
 STATE_FILE = "ray-head.json"
@@ -59,7 +60,7 @@ def _temp_dir_for(data_dir: Path) -> str:
 # AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, HF_TOKEN, ...). What passes: these names, and the
 # names starting with HEAD_ENV_PREFIXES. Jobs write `s3://` checkpoints with the cluster's own credentials (an instance
 # role, or the default credentials file of the user running the head), never with the service's.
-HEAD_ENV_NAMES = frozenset(
+HEAD_ENV_NAMES = frozenset(STORE_LOCATION_ENV) | frozenset(
     {
         "PATH", "HOME", "USER", "LOGNAME", "SHELL", "HOSTNAME", "TERM", "TZ", "LANG", "LANGUAGE",
         "TMPDIR", "TEMP", "TMP", "PYTHONPATH", "PYTHONUNBUFFERED", "VIRTUAL_ENV", "LD_LIBRARY_PATH",
@@ -67,8 +68,6 @@ HEAD_ENV_NAMES = frozenset(
         "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE",
         "TORCH_HOME", "TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES",
         "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE",
-        # where the object store is (not who may use it): as service.submission.FORWARDED_ENV
-        "SHUNTER_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION",
     }
 )  # fmt: skip
 HEAD_ENV_PREFIXES = ("LC_", "RAY_", "OMP_", "MKL_", "CUDA_", "NCCL_", "GLOO_")

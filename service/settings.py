@@ -111,15 +111,6 @@ class Settings(BaseSettings):
         # A stable id lets a restarted single-process `serve` re-own its leases at once instead of waiting them out.
         return f"serve@{host}:{self.data_dir.resolve()}" if stable else f"{host}:{os.getpid()}"
 
-    def absolute_database_url(self) -> str:
-        """Ray processes run in other directories: relative SQLite paths must be made absolute before handing over."""
-        prefix = "sqlite:///"
-        if self.database_url.startswith(prefix) and not self.database_url.startswith(prefix + "/"):
-            path = self.database_url[len(prefix) :]
-            if path and path != ":memory:":
-                return prefix + str(Path(path).resolve())
-        return self.database_url
-
     def absolute_storage_uri(self) -> str:
         if "://" in self.storage_uri:
             return self.storage_uri

@@ -14,6 +14,9 @@ if TYPE_CHECKING:
     from pyarrow import fs as pafs
 
 ENV_S3_ENDPOINT = "SHUNTER_S3_ENDPOINT_URL"
+# Where the object store is (not who may use it): the service hands these to its jobs and to its local Ray head.
+# Credentials are never among them: jobs write with the cluster's own.
+STORE_LOCATION_ENV = (ENV_S3_ENDPOINT, "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION")
 PREEMPT_MARKER = "shunter-preempt"
 
 

@@ -22,11 +22,9 @@ from service.errors import InvalidSpec
 from service.models import Checkpoint, Job
 from service.settings import Settings
 from service.spec import JobSpec
+from service.storage import STORE_LOCATION_ENV
 
 ENTRYPOINT = "python -m workers.driver"
-# Where the object store is, for jobs of a service that was told. Credentials are not forwarded: a Ray Job's
-# runtime_env is shown in the dashboard; give the cluster its own (instance roles, its environment).
-FORWARDED_ENV = ("SHUNTER_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION")
 
 
 @dataclass(frozen=True)
@@ -37,7 +35,9 @@ class Submission:
 
 
 def forwarded_environment() -> dict[str, str]:
-    return {name: os.environ[name] for name in FORWARDED_ENV if os.environ.get(name)}
+    """Where the object store is, for jobs of a service that was told (never credentials: a Ray Job's runtime_env is
+    shown in the dashboard; the cluster brings its own)."""
+    return {name: os.environ[name] for name in STORE_LOCATION_ENV if os.environ.get(name)}
 
 
 def resume_uri(session: Session, job: Job, spec: JobSpec) -> str | None:
