@@ -28,6 +28,7 @@ class RayJobInfo:
     driver_exit_code: int | None = None
     start_time: int | None = None
     end_time: int | None = None
+    driver_node_id: str | None = None  # the Ray node its driver (JobSupervisor) runs on, once placed
 
     @property
     def is_terminal(self) -> bool:
@@ -46,6 +47,9 @@ class NodeView:
 @dataclass
 class ClusterView:
     nodes: list[NodeView]
+    # Ray nodes known dead (id -> was it a head). A Ray Job whose driver ran on one is gone, even while Ray still
+    # reports it RUNNING: with GCS fault tolerance the job table outlives a restarted head, but not the drivers on it.
+    dead_nodes: dict[str, bool] = field(default_factory=dict)
 
     @property
     def total(self) -> dict[str, float]:

@@ -71,6 +71,7 @@ class Dispatcher:
         self._faults: dict[str, float] = {}  # job id -> when its reconcile first failed unexpectedly (monotonic)
         self._pool = ThreadPoolExecutor(max_workers=settings.dispatcher_threads, thread_name_prefix="reconcile")
         self.last_tick_seconds = 0.0
+        self._dead_nodes: dict[str, bool] = {}  # from the last cluster read (service.reconcile.decide)
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -129,6 +130,7 @@ class Dispatcher:
         except Exception as exc:  # noqa: BLE001 - unreachable, or an answer of the wrong shape: skip admission
             log.warning("cannot read Ray cluster resources: %s", exc)
             return None
+        self._dead_nodes = dict(cluster.dead_nodes)
         try:
             with session_scope(self.engine) as session:
                 snap = session.get(ClusterSnapshot, 1) or ClusterSnapshot(id=1)
@@ -196,7 +198,8 @@ class Dispatcher:
         )  # fmt: skip
         attempt_facts = AttemptFacts(attempt.submitted, attempt.started_at, attempt.end_reason)
         info = self.ray.info(attempt.submission_id)
-        for action in decide(facts, attempt_facts, info, now=utcnow(), patience=self.patience):
+        dead = self._dead_nodes
+        for action in decide(facts, attempt_facts, info, now=utcnow(), patience=self.patience, dead_nodes=dead):
             self.execute(fresh, attempt, action)
 
     def execute(self, job: Job, attempt: Attempt, action: Action) -> None:
@@ -368,4 +371,4 @@ def _checked(cluster: ClusterView) -> ClusterView:
         if not all(math.isfinite(v) for v in (*total.values(), *available.values())):
             raise ValueError(f"node {node.node_id}: resources that are not finite numbers")
         nodes.append(NodeView(str(node.node_id), str(node.address), bool(node.alive), total, available))
-    return ClusterView(nodes=nodes)
+    return ClusterView(nodes=nodes, dead_nodes={str(k): bool(v) for k, v in dict(cluster.dead_nodes).items()})

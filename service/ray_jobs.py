@@ -34,9 +34,14 @@ def ray_auth_headers() -> dict[str, str]:
 class RayJobs:
     """The `Backend` of a real Ray cluster, seen through its dashboard (Jobs API) and, when known, its GCS."""
 
-    def __init__(self, dashboard_url: str, *, gcs_address: str | None = None, timeout: float = 10.0) -> None:
+    def __init__(
+        self, dashboard_url: str, *, gcs_address: str | None = None, timeout: float = 10.0,
+        drivers_off_head: bool = False,
+    ) -> None:  # fmt: skip
         self.dashboard_url = dashboard_url.rstrip("/")
         self.gcs_address = gcs_address
+        self.drivers_off_head = drivers_off_head
+        self.head_node_id: str | None = None  # the live head, from the last cluster read
         self._http = httpx.Client(base_url=self.dashboard_url, timeout=timeout, headers=ray_auth_headers())
         self._sdk: Any = None
         self._gcs: Any = None
@@ -89,6 +94,7 @@ class RayJobs:
             driver_exit_code=body.get("driver_exit_code"),
             start_time=body.get("start_time"),
             end_time=body.get("end_time"),
+            driver_node_id=body.get("driver_node_id") or None,
         )
 
     def submit(
@@ -97,10 +103,17 @@ class RayJobs:
         """Submit unless Ray already has this submission id. True if submitted now, False if adopted."""
         if self.info(submission_id) is not None:
             return False
+        placement: dict[str, Any] = {}
+        if self.drivers_off_head:
+            # Ray places a driver on the head unless told otherwise; a node-id selector is the one that needs no
+            # labels set up on the cluster.
+            head = self.head_node_id or self._read_head_node_id()
+            placement["entrypoint_label_selector"] = {"ray.io/node-id": f"!{head}"}
         try:
             self._client().submit_job(
-                entrypoint=entrypoint, submission_id=submission_id, runtime_env=runtime_env, metadata=metadata
-            )
+                entrypoint=entrypoint, submission_id=submission_id, runtime_env=runtime_env, metadata=metadata,
+                **placement,
+            )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - Ray raises RuntimeError/ConnectionError/ValueError here
             # A racing submitter (or our own earlier try whose answer was lost) got there first: adopt it.
             if self.info(submission_id) is not None:
@@ -136,6 +149,12 @@ class RayJobs:
             return self._cluster_from_gcs()
         return self._cluster_from_dashboard()
 
+    def _read_head_node_id(self) -> str:
+        self.cluster()
+        if self.head_node_id is None:
+            raise InfraError("Ray shows no live head node: cannot place a driver off it")
+        return self.head_node_id
+
     def _client(self) -> Any:
         if self._sdk is None:
             from ray.job_submission import JobSubmissionClient
@@ -145,6 +164,7 @@ class RayJobs:
 
     def _cluster_from_gcs(self) -> ClusterView:
         from ray._raylet import GcsClient
+        from ray.core.generated.gcs_pb2 import GcsNodeInfo
 
         now = time.monotonic()
         if self._gcs is None and now < self._gcs_retry_at:
@@ -154,6 +174,7 @@ class RayJobs:
             if self._gcs is None:
                 self._gcs = GcsClient(address=self.gcs_address)
             usage = self._gcs.get_all_resource_usage(timeout=5)
+            node_table = self._gcs.get_all_node_info(timeout=5)
         except Exception as exc:  # noqa: BLE001 - the GCS client raises its own RpcError types
             # Gone, or a new cluster at the same address (WrongClusterID): rebuild every client on a later call.
             self._gcs, self._sdk = None, None
@@ -175,15 +196,25 @@ class RayJobs:
                     available=dict(item.resources_available),
                 )
             )
-        return ClusterView(nodes=nodes)
+        dead, self.head_node_id = {}, None
+        for node_id, node in node_table.items():
+            if node.state == GcsNodeInfo.GcsNodeState.DEAD:
+                dead[node_id.hex()] = bool(node.is_head_node)
+            elif node.is_head_node:
+                self.head_node_id = node_id.hex()
+        return ClusterView(nodes=nodes, dead_nodes=dead)
 
     def _cluster_from_dashboard(self) -> ClusterView:
         r = self._request("GET", "/nodes", params={"view": "summary"})
         if r.status_code != 200:
             raise InfraError(f"Ray dashboard /nodes answered {r.status_code}")
-        nodes = []
+        nodes, dead, self.head_node_id = [], {}, None
         for summary in r.json()["data"]["summary"]:
             raylet = summary.get("raylet", {})
+            if raylet.get("state") == "DEAD":
+                dead[raylet.get("nodeId", "")] = bool(raylet.get("isHeadNode"))
+            elif raylet.get("isHeadNode"):
+                self.head_node_id = raylet.get("nodeId")
             total = {k: float(v) for k, v in raylet.get("resourcesTotal", {}).items()}
             nodes.append(
                 NodeView(
@@ -205,4 +236,4 @@ class RayJobs:
                         take = min(remaining, node.available[key])
                         node.available[key] -= take
                         remaining -= take
-        return ClusterView(nodes=nodes)
+        return ClusterView(nodes=nodes, dead_nodes=dead)

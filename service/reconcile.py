@@ -7,12 +7,14 @@ x cancel x timeout x preemption x lease x submission patience in milliseconds.
 Possible outcomes, by state (the state changes themselves happen in `Finish` and `MarkRunning`):
 - STARTING, not yet submitted: Submit; Finish(infra) once submission has failed for `submit_seconds`.
 - STARTING/RUNNING, Ray running: Wait; MarkRunning on the first report; Stop(timeout | preempted | user_error).
+- any, Ray running but the driver's node is dead: Finish(cluster_restarted | node_lost), or Finish(cancelled).
 - any, Ray ended: Finish(reason), where the retry policy then decides between QUEUED and an end state.
 - CANCELLING: Stop until Ray ends it, then Finish(cancelled) (or the job's true end, if it finished first).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -108,9 +110,15 @@ def classify(state: JobState, recorded: EndReason | None, ray: RayJobInfo) -> En
 
 
 def decide(
-    job: JobFacts, attempt: AttemptFacts, ray: RayJobInfo | None, *, now: datetime, patience: Patience
-) -> list[Action]:
-    """The actions that bring one admitted job in line with its Ray Job, in the order to run them."""
+    job: JobFacts, attempt: AttemptFacts, ray: RayJobInfo | None, *, now: datetime, patience: Patience,
+    dead_nodes: Mapping[str, bool] | None = None,
+) -> list[Action]:  # fmt: skip
+    """The actions that bring one admitted job in line with its Ray Job, in the order to run them.
+
+    `dead_nodes` (Ray node id -> was it a head) are the nodes the cluster knows dead: a Ray Job whose driver ran on
+    one can never end, though Ray may go on reporting it RUNNING (a head restarted with GCS fault tolerance keeps the
+    job table, not the drivers that ran on the old head).
+    """
     if not job.leased_to_me:
         return [Wait("held by another dispatcher")]
     if job.state not in (JobState.STARTING, JobState.RUNNING, JobState.CANCELLING):
@@ -132,6 +140,13 @@ def decide(
     if ray.is_terminal:
         reason = classify(job.state, attempt.recorded_end, ray)
         return [*actions, Finish(reason, ray.message or ray.status, ray_status=ray.status, keep_logs=True)]
+    if dead_nodes and ray.driver_node_id in dead_nodes:
+        head = dead_nodes[ray.driver_node_id]
+        lost = f"its driver's node {ray.driver_node_id[:12]} ({'the old head' if head else 'a worker'}) is dead"
+        if job.state is JobState.CANCELLING:
+            return [*actions, Finish(EndReason.CANCELLED, f"cancelled; {lost}", ray_status=ray.status)]
+        reason = EndReason.CLUSTER_RESTARTED if head else EndReason.NODE_LOST
+        return [*actions, Finish(reason, f"Ray says {ray.status}, but {lost}", ray_status=ray.status)]
     if job.state is JobState.CANCELLING:
         return [*actions, Stop()]
     if job.spec_error is not None:

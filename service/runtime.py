@@ -67,9 +67,10 @@ class Runtime:
             )
             ray = RayJobs(head.dashboard_url, gcs_address=head.gcs_address)
         elif settings.ray_address is None:
-            ray = RayJobs(dashboard_url_for(settings))
+            ray = RayJobs(dashboard_url_for(settings), drivers_off_head=settings.ray_drivers_off_head)
         else:
-            ray = RayJobs(dashboard_url_for(settings), gcs_address=gcs_address_for(settings))
+            ray = RayJobs(dashboard_url_for(settings), gcs_address=gcs_address_for(settings),
+                          drivers_off_head=settings.ray_drivers_off_head)  # fmt: skip
         return cls(settings=settings, engine=engine, ray=ray, local_head=head)
 
     def start_dispatcher(self, *, owner: str) -> Dispatcher:

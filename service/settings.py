@@ -48,6 +48,9 @@ class Settings(BaseSettings):
     # An attempt lost with a Ray head restart is retried from its checkpoint; by default it does not use up the job's
     # retries.max_attempts (it was not the job's fault).
     count_cluster_restarts: bool = False
+    # With Ray's GCS fault tolerance a restarted head keeps the cluster and its jobs, but not the processes that ran on
+    # it. True: each attempt's Ray driver is placed off the head node, so running jobs outlive a head restart.
+    ray_drivers_off_head: bool = False
 
     dispatcher_id: str | None = Field(None, description="default: hostname:pid; `serve` uses a stable one")
     dispatcher_tick_seconds: float = Field(0.5, gt=0)

@@ -6,12 +6,7 @@ lost attempts end as `cluster_restarted` and do not use up `max_attempts`.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,53 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.ray_local import dashboard_answers, free_port, head_environment, head_processes
+from service.ray_local import free_port
 from tests.conftest import wait_for
+from tests.external_ray import ExternalHead
 from tests.service.conftest import Service
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
-
-
-class ExternalHead:
-    """A `ray start --head --block` in its own process group, at fixed ports, that a test can kill and start again."""
-
-    def __init__(self) -> None:
-        self.port, self.dashboard_port = free_port(), free_port()
-        self.client_port, self.agent_port = free_port(), free_port()
-        self.temp_dir = tempfile.mkdtemp(prefix="shrh-", dir="/tmp")  # short: Ray's socket paths < 108 bytes
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def gcs_address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def dashboard_url(self) -> str:
-        return f"http://127.0.0.1:{self.dashboard_port}"
-
-    def start(self) -> None:
-        cmd = [
-            str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-            f"--port={self.port}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={self.client_port}",
-            f"--dashboard-agent-listen-port={self.agent_port}", f"--temp-dir={self.temp_dir}", "--num-cpus=3",
-            "--disable-usage-stats",
-        ]  # fmt: skip
-        log = open(Path(self.temp_dir) / "head.log", "ab")  # noqa: SIM115 - the child keeps it
-        self.proc = subprocess.Popen(cmd, env=head_environment(str(REPO)), stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)  # fmt: skip
-        wait_for(lambda: dashboard_answers(self.dashboard_url), timeout=120, what="the Ray head's dashboard")
-
-    def kill(self) -> None:
-        """As a node dies: SIGKILL to the head and every process of its session, no clean shutdown."""
-        if self.proc is not None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-        for pid in head_processes(self.temp_dir):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not head_processes(self.temp_dir), timeout=30, what="the old head's processes to end")
 
 
 @pytest.fixture

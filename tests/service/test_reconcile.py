@@ -187,3 +187,38 @@ def test_classify_prefers_the_drivers_record_over_rays_guess() -> None:
     assert classify(S.RUNNING, R.WORKER_LOST, failed) is R.WORKER_LOST
     assert classify(S.RUNNING, None, failed) is R.INFRA
     assert classify(S.RUNNING, R.WORKER_LOST, RayJobInfo("s", "SUCCEEDED")) is R.SUCCEEDED
+
+
+HEAD, WORKER, ALIVE = "a" * 56, "b" * 56, "c" * 56
+DEAD = {HEAD: True, WORKER: False}
+DRIVER_ROWS = [
+    # (name, job, Ray status, driver node, expected kinds and reason)
+    ("driver on the restarted head: cluster_restarted", JobFacts(S.RUNNING, step=5), "RUNNING", HEAD,
+     ("Finish", R.CLUSTER_RESTARTED)),
+    ("driver on a dead worker node: node_lost", JobFacts(S.RUNNING, step=5), "RUNNING", WORKER,
+     ("Finish", R.NODE_LOST)),
+    ("starting, driver's node died: node_lost", JobFacts(S.STARTING), "PENDING", WORKER, ("Finish", R.NODE_LOST)),
+    ("cancelling, driver's node died: cancelled (a stop would never land)", JobFacts(S.CANCELLING), "RUNNING", HEAD,
+     ("Finish", R.CANCELLED)),
+    ("driver on a live node: keep watching", JobFacts(S.RUNNING, step=5), "RUNNING", ALIVE, ("Wait", None)),
+    ("driver not placed yet: keep watching", JobFacts(S.STARTING), "PENDING", None, ("Wait", None)),
+    ("Ray already ended it: its own end wins", JobFacts(S.RUNNING), "SUCCEEDED", HEAD, ("Finish", R.SUCCEEDED)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "job", "status", "node", "expected"), DRIVER_ROWS, ids=[r[0] for r in DRIVER_ROWS])
+def test_a_driver_on_a_dead_node_ends_the_attempt(
+    name: str, job: JobFacts, status: str, node: str | None, expected: tuple[str, R | None]
+) -> None:
+    info = RayJobInfo("shunter-j1-1", status, driver_node_id=node)
+    actions = decide(job, AttemptFacts(True, ago(9)), info, now=NOW, patience=PATIENCE, dead_nodes=DEAD)
+    last = actions[-1]
+    assert (type(last).__name__, getattr(last, "reason", None)) == expected, actions
+    if isinstance(last, Finish) and last.reason is not R.SUCCEEDED:
+        assert node is not None and node[:12] in last.message, last.message
+
+
+def test_without_a_node_table_nothing_is_presumed_dead() -> None:
+    info = RayJobInfo("shunter-j1-1", "RUNNING", driver_node_id=HEAD)
+    actions = decide(JobFacts(S.RUNNING, step=1), AttemptFacts(True, ago(9)), info, now=NOW, patience=PATIENCE)
+    assert actions == [Wait("Ray says RUNNING")]

@@ -1,0 +1,132 @@
+"""A Ray cluster outside the service, made of `ray start --block` processes that a test can kill and start again:
+a head (optionally with GCS fault tolerance, its state in the machine's Redis) and worker nodes.
+
+Each node runs in its own process group with its own temp dir (a worker node also in its own PID namespace), so a
+kill takes one node and nothing else, the way a lost pod or machine does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from service.ray_local import dashboard_answers, free_port, head_environment, head_processes
+from tests.conftest import wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).parent / "ray")
+REDIS = ("127.0.0.1", 6379)
+
+
+def redis_answers() -> bool:
+    try:
+        with socket.create_connection(REDIS, timeout=2) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class _Node:
+    def __init__(self, prefix: str) -> None:
+        self.temp_dir = tempfile.mkdtemp(prefix=prefix, dir="/tmp")  # short: Ray's socket paths < 108 bytes
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def _spawn(self, cmd: list[str], env: dict[str, str]) -> None:
+        log = open(Path(self.temp_dir) / "node.log", "ab")  # noqa: SIM115 - the child keeps it
+        self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def kill(self) -> None:
+        """As a node dies: SIGKILL to every process it started (job drivers too, which Ray starts in sessions of their
+        own), no clean shutdown."""
+        if self.proc is not None:
+            import psutil
+
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for child in psutil.Process(self.proc.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        child.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+            self.proc = None
+        for pid in head_processes(self.temp_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not head_processes(self.temp_dir), timeout=30, what="the node's processes to end")
+
+
+class ExternalHead(_Node):
+    """A `ray start --head --block` at fixed ports. With `fault_tolerant`, its GCS keeps the cluster's state in Redis
+    (a namespace of its own): a head started again after a kill is the same cluster, with the same jobs."""
+
+    def __init__(self, *, num_cpus: int = 3, fault_tolerant: bool = False) -> None:
+        super().__init__("shrh-")
+        self.port, self.dashboard_port = free_port(), free_port()
+        self.client_port, self.agent_port = free_port(), free_port()
+        self.num_cpus = num_cpus
+        self.namespace = f"shunter-test-{uuid.uuid4().hex[:12]}" if fault_tolerant else None
+
+    @property
+    def gcs_address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def environment(self) -> dict[str, str]:
+        env = head_environment(str(REPO))
+        if self.namespace is not None:
+            env.update(RAY_REDIS_ADDRESS=f"{REDIS[0]}:{REDIS[1]}", RAY_external_storage_namespace=self.namespace)
+        return env
+
+    def start(self) -> None:
+        # A new head machine or pod has no record of the last cluster on its disk. (Here other nodes' processes name
+        # this address on their command lines, which `ray start` would take for a head still running.)
+        Path(self.temp_dir, "ray_current_cluster").unlink(missing_ok=True)
+        self._spawn([
+            RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+            f"--port={self.port}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={self.client_port}",
+            f"--dashboard-agent-listen-port={self.agent_port}", f"--temp-dir={self.temp_dir}",
+            f"--num-cpus={self.num_cpus}", "--disable-usage-stats",
+        ], self.environment())  # fmt: skip
+        wait_for(lambda: dashboard_answers(self.dashboard_url), timeout=120, what="the Ray head's dashboard")
+
+    def forget(self) -> None:
+        """Delete the cluster's state from Redis (fault-tolerant heads), once every node is gone."""
+        if self.namespace is not None:
+            from ray._private.gcs_utils import cleanup_redis_storage
+
+            cleanup_redis_storage(REDIS[0], REDIS[1], "", False, self.namespace)
+
+
+class WorkerNode(_Node):
+    """A `ray start --address=<head>` node. It waits up to `reconnect_seconds` for a lost GCS to come back.
+
+    It runs in a PID namespace of its own, as on a host of its own: a Ray driver connects to a raylet it finds among
+    the processes it can see, preferring the head's, so on one shared process table a driver placed on this node
+    would attach to the head instead (and die with it).
+    """
+
+    def __init__(self, head: ExternalHead, *, num_cpus: int = 3, reconnect_seconds: int = 120) -> None:
+        super().__init__("shrw-")
+        self.head, self.num_cpus, self.reconnect_seconds = head, num_cpus, reconnect_seconds
+
+    def start(self) -> None:
+        env = self.head.environment()
+        env["RAY_gcs_rpc_server_reconnect_timeout_s"] = str(self.reconnect_seconds)
+        self._spawn([
+            "unshare", "--pid", "--fork", "--mount-proc",
+            RAY, "start", "--block", f"--address={self.head.gcs_address}", "--node-ip-address=127.0.0.1",
+            f"--num-cpus={self.num_cpus}", f"--temp-dir={self.temp_dir}",
+            f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats",
+        ], env)  # fmt: skip
