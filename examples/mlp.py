@@ -38,6 +38,9 @@ def train_loop(config: dict[str, Any]) -> None:
     step_sleep = float(config.get("step_sleep", 0.0))  # lets tests catch a job mid-run
     fail_at = config.get("fail_at_step")  # fault tests: raise at this step on rank 0, first run only
     crash_at = config.get("crash_at_step")  # fault tests: the rank-0 process dies at this step, first run only
+    # Chaos tests: rank 0 appends "<attempt> <step>" to this file after each step, so a test can see every step
+    # that ran (and ran twice), whatever the service recorded.
+    trace_path = config.get("trace_path")
     torch.manual_seed(int(config.get("seed", 0)))
 
     model = ray.train.torch.prepare_model(build_model(hidden=int(config.get("hidden", 64))))
@@ -76,6 +79,9 @@ def train_loop(config: dict[str, Any]) -> None:
                 os._exit(1)
             if step_sleep:
                 time.sleep(step_sleep)
+            if trace_path and ctx.get_world_rank() == 0:
+                with open(trace_path, "a") as trace:
+                    trace.write(f"{os.environ.get('SHUNTER_ATTEMPT', '?')} {step}\n")
             metrics = {"step": step, "loss": float(loss.item()), "epoch": epoch}
             if step % every == 0 or step == total_steps:
                 with tempfile.TemporaryDirectory() as tmp:

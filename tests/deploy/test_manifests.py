@@ -130,7 +130,29 @@ def _docker_compose_available() -> bool:
     return probe.returncode == 0
 
 
-@pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.gpu.yml"]])
+def test_compose_gcs_fault_tolerance_override() -> None:
+    base = _compose("docker-compose.yml")["services"]
+    ft = _compose("docker-compose.gcs-ft.yml")
+    services = ft["services"]
+    assert set(services) - set(base) == {"redis"} and services["redis"]["image"].startswith("redis:")
+    assert "--appendonly" in services["redis"]["command"], "a Redis that keeps nothing loses the cluster with it"
+    assert "redis-data" in ft["volumes"]
+    head = _env(services["ray-head"])
+    assert head["RAY_REDIS_ADDRESS"] == "redis:6379" and head["RAY_external_storage_namespace"]
+    assert services["ray-head"]["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert int(_env(services["ray-worker"])["RAY_gcs_rpc_server_reconnect_timeout_s"]) >= 60
+    known = {f"SHUNTER_{name.upper()}" for name in Settings.model_fields}
+    for name in ("api", "dispatcher"):
+        env = _env(services[name])
+        assert env["SHUNTER_RAY_DRIVERS_OFF_HEAD"] == "true", name
+        assert set(env) <= known, name
+
+
+@pytest.mark.parametrize(
+    "files",
+    [["docker-compose.yml"], ["docker-compose.yml", "docker-compose.gpu.yml"],
+     ["docker-compose.yml", "docker-compose.gcs-ft.yml"]],
+)  # fmt: skip
 def test_docker_compose_config_validates(files: list[str]) -> None:
     if not _docker_compose_available():
         pytest.skip("docker client with the compose plugin not installed")
@@ -227,3 +249,31 @@ def test_ray_nodes_get_no_service_secret() -> None:
         assert not [s for s in SERVICE_SECRETS if s in text], name
     cluster = yaml.safe_dump(_kube()[("RayCluster", "shunter-ray")])
     assert not [s for s in SERVICE_SECRETS if s in cluster]
+
+
+def test_kuberay_gcs_fault_tolerance_overlay() -> None:
+    overlay = REPO / "deploy/kuberay/gcs-ft"
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    assert "../" in kustomization["resources"] and "redis.yaml" in kustomization["resources"]
+    for patch in kustomization["patches"]:
+        assert (overlay / patch["path"]).is_file(), patch
+    docs = {(d["kind"], d["metadata"]["name"]): d for f in sorted(overlay.glob("*.yaml"))
+            for d in yaml.safe_load_all(f.read_text()) if d and "metadata" in d}  # fmt: skip
+    base = _kube()
+    ft = docs[("RayCluster", "shunter-ray")]["spec"]
+    (service,) = [name for kind, name in docs if kind == "Service"]
+    assert ft["gcsFaultToleranceOptions"]["redisAddress"] == f"{service}:6379"
+    assert ft["gcsFaultToleranceOptions"]["externalStorageNamespace"]
+    # The patch names a worker group and container the base has (a strategic merge by name).
+    groups = {g["groupName"]: g for g in base[("RayCluster", "shunter-ray")]["spec"]["workerGroupSpecs"]}
+    for group in ft["workerGroupSpecs"]:
+        (container,) = group["template"]["spec"]["containers"]
+        (base_container,) = groups[group["groupName"]]["template"]["spec"]["containers"]
+        assert container["name"] == base_container["name"]
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert int(env["RAY_gcs_rpc_server_reconnect_timeout_s"]) >= 60
+    config = docs[("ConfigMap", "shunter-config")]["data"]
+    assert config == {"SHUNTER_RAY_DRIVERS_OFF_HEAD": "true"} and ("ConfigMap", "shunter-config") in base
+    assert "SHUNTER_RAY_DRIVERS_OFF_HEAD".removeprefix("SHUNTER_").lower() in Settings.model_fields
+    redis = _container(docs[("Deployment", "shunter-redis")])
+    assert "--appendonly" in redis["args"] and redis["volumeMounts"][0]["mountPath"] == "/data"
