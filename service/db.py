@@ -8,6 +8,8 @@ from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlmodel import Session, create_engine
 
 from service import models  # noqa: F401  (registers the tables on SQLModel.metadata)
@@ -40,7 +42,32 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
         return engine
-    return create_engine(url, pool_pre_ping=True, **kwargs)
+    engine = create_engine(url, pool_pre_ping=True, **kwargs)
+    if engine.dialect.name == "postgresql":
+        event.listen(engine, "before_cursor_execute", _no_nul_in_text, retval=True)
+    return engine
+
+
+# The database is away (down, restarting, unreachable, out of connections): retry later, nobody's fault. Any other
+# database error (DataError, IntegrityError, ProgrammingError) is an answer: the same write fails again.
+UNAVAILABLE: tuple[type[Exception], ...] = (OperationalError, InterfaceError, DisconnectionError, PoolTimeout)
+
+
+def _no_nul_in_text(_conn: Any, _cursor: Any, statement: str, parameters: Any, _context: Any, _many: bool) -> Any:
+    """PostgreSQL text cannot hold a NUL character, and text from outside (a Ray Job's message and log tail, a
+    driver's report) may carry one: a job printing one must not make its own end unwritable. Each NUL in a bound
+    string becomes U+FFFD. (JSON columns are bound as serialised text, where a NUL is the escape `\\u0000`.)"""
+    return statement, _scrub(parameters)
+
+
+def _scrub(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd") if "\x00" in value else value
+    if isinstance(value, dict):
+        return {k: _scrub(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_scrub(v) for v in value)
+    return value
 
 
 WRITE_OPTION = "shunter_write"

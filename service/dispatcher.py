@@ -27,7 +27,7 @@ from sqlmodel import Session, col, select
 
 from service import admission, leases, retry, submission
 from service.backend import Backend, ClusterView, NodeView, submission_id
-from service.db import session_scope
+from service.db import UNAVAILABLE, session_scope
 from service.errors import InfraError, InvalidSpec, StaleWrite
 from service.host_files import HostFault, HostFiles
 from service.metrics import DISPATCHER_TICK_SECONDS
@@ -165,9 +165,11 @@ class Dispatcher:
             self._faults.pop(job.id, None)
         except StaleWrite as exc:
             log.info("job %s moved on under us: %s", job.id, exc)
-        except (InfraError, SQLAlchemyError) as exc:  # Ray or the database: nobody's job is at fault
+        except (InfraError, *UNAVAILABLE) as exc:  # Ray or the database is away: nobody's job is at fault
             log.warning("job %s: not reconciled this tick: %s", job.id, exc)
         except Exception as exc:  # noqa: BLE001 - one job's surprise must not stop the others, nor wedge this one
+            # This includes a database that answers but refuses this job's write (DataError, IntegrityError: a value
+            # of an enum the database lacks, ...): it would refuse it on every tick.
             log.exception("job %s: reconcile failed", job.id)
             first = self._faults.setdefault(job.id, time.monotonic())
             if time.monotonic() - first >= self.settings.job_fault_patience_seconds:

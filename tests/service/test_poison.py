@@ -18,7 +18,8 @@ from sqlalchemy import update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from service.backend import ClusterView, NodeView, submission_id
+from service.backend import ClusterView, NodeView, RayJobInfo, submission_id
+from service.db import make_engine
 from service.dispatcher import Dispatcher
 from service.jobs import Caller, submit
 from service.models import Attempt, EndReason, Job, JobEvent, JobState, utcnow
@@ -216,3 +217,64 @@ def test_a_preemption_victim_whose_storage_cannot_be_written_does_not_stop_admis
     assert ("preemption", "preemption_requested") in kinds
     assert ("host", "preemption_notice_failed") in kinds
     assert job(db, victim).preemptions == 1
+
+
+class SaysFailedWithNul(Backend):
+    """Ray ends every job FAILED with a message holding a NUL, as a log tail of binary output does."""
+
+    def info(self, submission_id: str) -> RayJobInfo | None:
+        found = super().info(submission_id)
+        if found is None:
+            return None
+        return RayJobInfo(submission_id, "FAILED", message="exit 1, last logs: before\x00after", driver_exit_code=1)
+
+
+def test_a_nul_in_what_ray_says_of_a_job_does_not_make_its_end_unwritable(db: Engine, tmp_path: Path) -> None:
+    """PostgreSQL text cannot hold NUL: before service.db scrubbed it, the job's end failed to commit on every tick
+    and the job stayed RUNNING for ever, holding its quota."""
+    backend = SaysFailedWithNul(tmp_path / "noop")
+    conf = Settings(database_url="sqlite://", data_dir=tmp_path / "data", storage_uri=str(tmp_path / "ckpt"))
+    disp = Dispatcher(engine=db, settings=conf, ray=backend, owner="d1")
+    try:
+        job_id = add(db, {**GOOD, "retries": {"max_attempts": 1}})
+        run_until(disp, ended(db, job_id))
+    finally:
+        disp._pool.shutdown(wait=True)
+    row = job(db, job_id)
+    assert row.state == JobState.FAILED and row.end_reason == EndReason.INFRA
+    assert row.last_error is not None and "before" in row.last_error and "after" in row.last_error
+    if db.dialect.name == "postgresql":
+        assert "before\ufffdafter" in row.last_error
+
+
+def test_a_write_the_database_refuses_ends_that_job_after_patience_not_never(tmp_path: Path) -> None:
+    """A database the new release did not migrate yet lacks the end reason `cluster_restarted` (PostgreSQL enum):
+    recording that one attempt's end fails with a DataError on every tick. The job is given up on after
+    `job_fault_patience_seconds`, as any job shunter cannot handle, and the others carry on."""
+    from service.migrate import upgrade
+    from tests.service.conftest import fresh_pg_database
+
+    with fresh_pg_database("shunter_oldschema") as url:
+        engine = make_engine(url)
+        try:
+            upgrade(engine, "c4d2e8a17f30")  # the schema of the release before the enum value was migrated
+            backend = Backend(tmp_path / "noop", run_seconds=60)
+            conf = Settings(database_url="sqlite://", data_dir=tmp_path / "data", storage_uri=str(tmp_path / "c"),
+                            job_fault_patience_seconds=1.0)  # fmt: skip
+            disp = Dispatcher(engine=engine, settings=conf, ray=backend, owner="d1")
+            try:
+                lost = add(engine, GOOD)
+                disp.tick()
+                assert job(engine, lost).state in (JobState.STARTING, JobState.RUNNING)
+                (backend.dir / submission_id(lost, 1)).unlink()  # Ray forgot it: its head restarted
+                backend.run_seconds = 0.0
+                good = add(engine, GOOD)
+                run_until(disp, ended(engine, lost, good), seconds=30)
+            finally:
+                disp._pool.shutdown(wait=True)
+            assert job(engine, good).state == JobState.SUCCEEDED
+            gave_up = job(engine, lost)
+            assert gave_up.state == JobState.FAILED and gave_up.end_reason == EndReason.INFRA
+            assert "could not handle this job" in (gave_up.last_error or "") and "DataError" in gave_up.last_error
+        finally:
+            engine.dispose()
