@@ -211,9 +211,18 @@ class Chaos:
             self.traces[job["id"]] = trace
 
     def ended(self) -> int:
-        jobs = self._api("/v1/jobs", params={"limit": 500})
-        items = jobs["items"] if isinstance(jobs, dict) else jobs
+        items = self._api("/v1/jobs", params={"limit": 500})["items"]
         return sum(j["state"] in TERMINAL for j in items if j["id"] in self.traces)
+
+    def checkpointed_running(self) -> bool:
+        """Some job is RUNNING with a complete checkpoint of its current attempt: a head restart now cuts into
+        training that has something to resume from."""
+        running = self._api("/v1/jobs", params={"limit": 500, "state": "RUNNING"})["items"]
+        for job in running:
+            checkpoints = self._api(f"/v1/jobs/{job['id']}/checkpoints")
+            if any(c["complete"] and c["attempt"] == job["attempt"] for c in checkpoints):
+                return True
+        return False
 
     def restart_head(self) -> None:
         self.ray_ids_before_restart = self._ray_ids()
@@ -234,8 +243,8 @@ class Chaos:
         deadline = started + timeout
         while done_kills < self.n_kills and time.monotonic() < deadline:
             time.sleep(self.rng.uniform(*self.gap))
-            if done_kills == head_at and self.head_restart and not self.head_restarts:
-                self.restart_head()
+            if done_kills >= head_at and self.head_restart and not self.head_restarts and self.checkpointed_running():
+                self.restart_head()  # mid-training: some running job has a checkpoint to resume from
             victim = self.rng.choice(self.processes)
             victim.kill9()
             self.kills[victim.name.rstrip("0123456789")] += 1
@@ -245,6 +254,8 @@ class Chaos:
             if self.ended() == self.n_jobs and done_kills >= self.n_kills // 2:
                 break  # everything ended early: no more moments to kill at
         if self.head_restart and not self.head_restarts:
+            with contextlib.suppress(AssertionError):
+                self._wait(lambda: self.checkpointed_running() or self.ended() == self.n_jobs, 600, "a checkpoint")
             self.restart_head()
         for p in self.processes:
             self._wait(p.ready, 90, f"{p.name} ready after the last kill")

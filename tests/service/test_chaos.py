@@ -1,5 +1,5 @@
 """Issue 13, item 4: the chaos run, CI-sized. PostgreSQL, an external Ray head, two `shunter api` and two `shunter
-dispatcher` processes; 12 short checkpointing jobs while 12 random SIGKILLs hit the shunter processes and the Ray
+dispatcher` processes; 9 short checkpointing jobs while 10 random SIGKILLs hit the shunter processes and the Ray
 head is killed and started again once (tests/chaos.py holds the harness and the invariants; bench/chaos.py runs the
 long version).
 """
@@ -25,7 +25,7 @@ def pg_url() -> Iterator[str]:
 
 
 def test_chaos_every_job_succeeds_nothing_runs_twice(tmp_path: Path, pg_url: str) -> None:
-    chaos = Chaos(tmp_path, pg_url, seed=13, jobs=12, kills=12, steps=30, checkpoint_every=5, gap=(1.0, 5.0))
+    chaos = Chaos(tmp_path, pg_url, seed=13, jobs=9, kills=10, steps=30, checkpoint_every=5, gap=(1.0, 5.0))
     chaos.start()
     try:
         report = chaos.run(timeout=900)
@@ -35,5 +35,5 @@ def test_chaos_every_job_succeeds_nothing_runs_twice(tmp_path: Path, pg_url: str
     print(json.dumps(summary))
     assert report.problems == [], json.dumps(summary, indent=2)
     assert sum(report.kills.values()) >= 6 and report.head_restarts == 1, summary
-    # The head restart really cut into running work: some attempt ended with it and was resumed.
-    assert report.end_reasons["cluster_restarted"] >= 1, summary
+    # The head restart really cut into training: attempts ended with it, and at least one resumed from a checkpoint.
+    assert report.end_reasons["cluster_restarted"] >= 1 and report.resumed_attempts >= 1, summary
