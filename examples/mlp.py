@@ -61,7 +61,7 @@ def train_loop(config: dict[str, Any]) -> None:
         print(f"resumed from step {step}", flush=True)
 
     ctx = ray.train.get_context()
-    epoch = 0
+    epoch, loss = 0, None
     while step < total_steps:
         if hasattr(loader, "sampler") and hasattr(loader.sampler, "set_epoch"):
             loader.sampler.set_epoch(epoch)
@@ -98,4 +98,7 @@ def train_loop(config: dict[str, Any]) -> None:
                 break
         epoch += 1
     if ctx.get_world_rank() == 0:
-        print(f"done: {step} steps, final loss {loss.item():.5f}", flush=True)
+        # An attempt resumed from the checkpoint of the last step (its predecessor was lost right after saving it)
+        # has nothing left to train: that is a success, not an error.
+        final = f"final loss {loss.item():.5f}" if loss is not None else "nothing left to train"
+        print(f"done: {step} steps, {final}", flush=True)
