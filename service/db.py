@@ -8,8 +8,7 @@ from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.exc import DataError, IntegrityError
 from sqlmodel import Session, create_engine
 
 from service import models  # noqa: F401  (registers the tables on SQLModel.metadata)
@@ -48,15 +47,17 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     return engine
 
 
-# The database is away (down, restarting, unreachable, out of connections): retry later, nobody's fault. Any other
-# database error (DataError, IntegrityError, ProgrammingError) is an answer: the same write fails again.
-UNAVAILABLE: tuple[type[Exception], ...] = (OperationalError, InterfaceError, DisconnectionError, PoolTimeout)
+# The database refuses one job's values (a value of an enum it lacks, a constraint): the same write fails on every
+# try, so the job is at fault, not the database. Every other database error (away, restarting, out of connections,
+# a schema of another release during a rolling upgrade) is nobody's job's fault: retried later.
+JOB_DATA_ERRORS: tuple[type[Exception], ...] = (DataError, IntegrityError)
 
 
 def _no_nul_in_text(_conn: Any, _cursor: Any, statement: str, parameters: Any, _context: Any, _many: bool) -> Any:
     """PostgreSQL text cannot hold a NUL character, and text from outside (a Ray Job's message and log tail, a
     driver's report) may carry one: a job printing one must not make its own end unwritable. Each NUL in a bound
-    string becomes U+FFFD. (JSON columns are bound as serialised text, where a NUL is the escape `\\u0000`.)"""
+    string becomes U+FFFD. (JSON values are bound by psycopg as JSON, where a NUL is the escape `\\u0000`: the `json`
+    columns store that as is; a `jsonb` column would refuse it.)"""
     return statement, _scrub(parameters)
 
 

@@ -27,7 +27,7 @@ from sqlmodel import Session, col, select
 
 from service import admission, leases, retry, submission
 from service.backend import Backend, ClusterView, NodeView, submission_id
-from service.db import UNAVAILABLE, session_scope
+from service.db import JOB_DATA_ERRORS, session_scope
 from service.errors import InfraError, InvalidSpec, StaleWrite
 from service.host_files import HostFault, HostFiles
 from service.metrics import DISPATCHER_TICK_SECONDS
@@ -165,16 +165,25 @@ class Dispatcher:
             self._faults.pop(job.id, None)
         except StaleWrite as exc:
             log.info("job %s moved on under us: %s", job.id, exc)
-        except (InfraError, *UNAVAILABLE) as exc:  # Ray or the database is away: nobody's job is at fault
-            log.warning("job %s: not reconciled this tick: %s", job.id, exc)
+        except (InfraError, SQLAlchemyError) as exc:
+            if isinstance(exc, JOB_DATA_ERRORS):
+                self._job_fault(job, exc)  # the database refuses this job's values, and will on every tick
+            else:  # Ray or the database is away, or its schema is another release's: nobody's job is at fault
+                log.warning("job %s: not reconciled this tick: %s", job.id, exc)
         except Exception as exc:  # noqa: BLE001 - one job's surprise must not stop the others, nor wedge this one
-            # This includes a database that answers but refuses this job's write (DataError, IntegrityError: a value
-            # of an enum the database lacks, ...): it would refuse it on every tick.
-            log.exception("job %s: reconcile failed", job.id)
-            first = self._faults.setdefault(job.id, time.monotonic())
-            if time.monotonic() - first >= self.settings.job_fault_patience_seconds:
-                patience = self.settings.job_fault_patience_seconds
+            self._job_fault(job, exc)
+
+    def _job_fault(self, job: Job, exc: Exception) -> None:
+        """A failure of this job's own: retried each tick, and the job given up on once it has lasted
+        `job_fault_patience_seconds`."""
+        log.exception("job %s: reconcile failed", job.id)
+        first = self._faults.setdefault(job.id, time.monotonic())
+        if time.monotonic() - first >= self.settings.job_fault_patience_seconds:
+            patience = self.settings.job_fault_patience_seconds
+            try:
                 self._abandon(job, f"shunter could not handle this job for {patience:g}s: {type(exc).__name__}: {exc}")
+            except Exception:  # noqa: BLE001 - giving up failed too: try again next tick, never abort the others
+                log.exception("job %s: could not give up on it", job.id)
 
     def reconcile(self, job: Job) -> None:
         """Bring one held job in line with its Ray Job: gather the facts, decide, act."""

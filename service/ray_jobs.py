@@ -106,9 +106,8 @@ class RayJobs:
         placement: dict[str, Any] = {}
         if self.drivers_off_head:
             # Ray places a driver on the head unless told otherwise; a node-id selector is the one that needs no
-            # labels set up on the cluster.
-            head = self.head_node_id or self._read_head_node_id()
-            placement["entrypoint_label_selector"] = {"ray.io/node-id": f"!{head}"}
+            # labels set up on the cluster. Read now, not remembered: after a head restart the head is a new node.
+            placement["entrypoint_label_selector"] = {"ray.io/node-id": f"!{self._read_head_node_id()}"}
         try:
             self._client().submit_job(
                 entrypoint=entrypoint, submission_id=submission_id, runtime_env=runtime_env, metadata=metadata,
@@ -151,9 +150,10 @@ class RayJobs:
 
     def _read_head_node_id(self) -> str:
         self.cluster()
-        if self.head_node_id is None:
+        head = self.head_node_id
+        if head is None:
             raise InfraError("Ray shows no live head node: cannot place a driver off it")
-        return self.head_node_id
+        return head
 
     def _client(self) -> Any:
         if self._sdk is None:
@@ -177,7 +177,7 @@ class RayJobs:
             node_table = self._gcs.get_all_node_info(timeout=5)
         except Exception as exc:  # noqa: BLE001 - the GCS client raises its own RpcError types
             # Gone, or a new cluster at the same address (WrongClusterID): rebuild every client on a later call.
-            self._gcs, self._sdk = None, None
+            self._gcs, self._sdk, self.head_node_id = None, None, None
             self._gcs_backoff = min(max(self._gcs_backoff * 2, RECONNECT_MIN_SECONDS), RECONNECT_MAX_SECONDS)
             self._gcs_retry_at = time.monotonic() + self._gcs_backoff
             self.last_problem = (
@@ -196,25 +196,26 @@ class RayJobs:
                     available=dict(item.resources_available),
                 )
             )
-        dead, self.head_node_id = {}, None
+        dead, head = {}, None
         for node_id, node in node_table.items():
             if node.state == GcsNodeInfo.GcsNodeState.DEAD:
                 dead[node_id.hex()] = bool(node.is_head_node)
             elif node.is_head_node:
-                self.head_node_id = node_id.hex()
+                head = node_id.hex()
+        self.head_node_id = head  # one assignment: readers in other threads never see it half-built
         return ClusterView(nodes=nodes, dead_nodes=dead)
 
     def _cluster_from_dashboard(self) -> ClusterView:
         r = self._request("GET", "/nodes", params={"view": "summary"})
         if r.status_code != 200:
             raise InfraError(f"Ray dashboard /nodes answered {r.status_code}")
-        nodes, dead, self.head_node_id = [], {}, None
+        nodes, dead, head = [], {}, None
         for summary in r.json()["data"]["summary"]:
             raylet = summary.get("raylet", {})
             if raylet.get("state") == "DEAD":
                 dead[raylet.get("nodeId", "")] = bool(raylet.get("isHeadNode"))
             elif raylet.get("isHeadNode"):
-                self.head_node_id = raylet.get("nodeId")
+                head = raylet.get("nodeId")
             total = {k: float(v) for k, v in raylet.get("resourcesTotal", {}).items()}
             nodes.append(
                 NodeView(
@@ -236,4 +237,5 @@ class RayJobs:
                         take = min(remaining, node.available[key])
                         node.available[key] -= take
                         remaining -= take
+        self.head_node_id = head
         return ClusterView(nodes=nodes, dead_nodes=dead)

@@ -6,7 +6,8 @@ at random moments (and started again), and the Ray head is killed and started ag
 - no training step ran twice within an attempt, and each later attempt resumed right after the latest complete
   checkpoint of the earlier ones (the jobs' own traces: rank 0 appends "<attempt> <step>" after each step);
 - no Ray submission id was used twice (Ray's job list before the head restart and at the end, and shunter's events);
-- no lease is held by a process that is gone.
+- no lease is held by a process that is gone: sampled all through the run, an active job's lease never stays past
+  its expiry (its owner was killed) for longer than a takeover takes, and at the end no row names a dead owner.
 
 `tests/service/test_chaos.py` runs a CI-sized one; `bench/chaos.py` the long one (100 kills over 50 jobs).
 """
@@ -127,6 +128,8 @@ class Chaos:
         self.ray_ids_before_restart: list[str] = []
         self.job_ids: list[str] = []
         self.traces: dict[str, Path] = {}
+        self.lease_problems: dict[str, str] = {}  # job id -> the first stale lease seen on it
+        self.lease_samples = 0
 
     # ---- the deployment -----------------------------------------------------------------------------------------
     def _env(self, name: str, **extra: str) -> dict[str, str]:
@@ -251,6 +254,7 @@ class Chaos:
             done_kills += 1
             time.sleep(self.rng.uniform(0.2, 2.0))
             victim.start()
+            self.sample_leases()
             if self.ended() == self.n_jobs and done_kills >= self.n_kills // 2:
                 break  # everything ended early: no more moments to kill at
         if self.head_restart and not self.head_restarts:
@@ -259,7 +263,8 @@ class Chaos:
             self.restart_head()
         for p in self.processes:
             self._wait(p.ready, 90, f"{p.name} ready after the last kill")
-        self._wait(lambda: self.ended() == self.n_jobs, max(deadline - time.monotonic(), 60), "every job to end")
+        self._wait(lambda: self.sample_leases() or self.ended() == self.n_jobs, max(deadline - time.monotonic(), 60),
+                   "every job to end")  # fmt: skip
         return self.check(time.monotonic() - started)
 
     # ---- the invariants -----------------------------------------------------------------------------------------
@@ -306,12 +311,34 @@ class Chaos:
         doubled = [s for s, n in Counter(ray_ids).items() if n > 1]
         if doubled:
             problems.append(f"Ray submission ids used twice: {doubled}")
-        problems += self.dead_leases()
+        problems += self.dead_leases() + list(self.lease_problems.values())
+        if not self.lease_samples:
+            problems.append("leases were never sampled during the run")
         return ChaosReport(
             jobs=self.n_jobs, steps_per_job=self.steps, seconds=seconds, kills=self.kills,
             head_restarts=self.head_restarts, attempts=attempts_total, end_reasons=reasons, resumed_attempts=resumed,
             steps_run=steps_run, steps_rerun=steps_rerun, submissions=len(ray_ids), problems=problems,
         )  # fmt: skip
+
+    STALE_AFTER = 20.0  # seconds past a lease's expiry: far more than a takeover takes (a tick of another dispatcher)
+
+    def sample_leases(self) -> bool:
+        """Note every active job whose lease expired more than STALE_AFTER seconds ago and is still held: its owner
+        is gone (or stuck) and nobody took the job over. Returns False, so it can ride along a wait's predicate."""
+        engine = make_engine(self.pg_url)
+        try:
+            with engine.connect() as conn:
+                rows = conn.execute(text(
+                    "SELECT id, lease_owner, EXTRACT(EPOCH FROM now() - lease_expires_at) FROM jobs "
+                    "WHERE lease_owner IS NOT NULL AND state IN ('STARTING', 'RUNNING', 'CANCELLING') "
+                    "AND lease_expires_at < now() - make_interval(secs => :stale)"), {"stale": self.STALE_AFTER},
+                ).all()  # fmt: skip
+        finally:
+            engine.dispose()
+        self.lease_samples += 1
+        for job_id, owner, late in rows:
+            self.lease_problems.setdefault(job_id, f"{job_id}: lease of {owner} expired {late:.0f}s ago, still held")
+        return False
 
     def dead_leases(self) -> list[str]:
         """Leases whose owner (`<host>:<pid>`) is not a live dispatcher process of this run (an ended job holds none:

@@ -251,29 +251,64 @@ def test_ray_nodes_get_no_service_secret() -> None:
     assert not [s for s in SERVICE_SECRETS if s in cluster]
 
 
-def test_kuberay_gcs_fault_tolerance_overlay() -> None:
-    overlay = REPO / "deploy/kuberay/gcs-ft"
+def _kuberay_gcs_ft_rendered() -> list[dict[str, Any]]:
+    """The GCS fault-tolerance overlay as kustomize builds it; without kubectl, the base with the overlay's JSON 6902
+    operations and resources applied the same way."""
+    overlay = REPO / "deploy/kuberay-gcs-ft"
+    if shutil.which("kubectl"):
+        proc = subprocess.run(["kubectl", "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return [d for d in yaml.safe_load_all(proc.stdout) if d]
+    jsonpatch = pytest.importorskip("jsonpatch")
     kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
-    assert "../" in kustomization["resources"] and "redis.yaml" in kustomization["resources"]
+    docs = [d for d in _kube().values()]
+    for name in kustomization["resources"]:
+        if name.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all((overlay / name).read_text()) if d]
     for patch in kustomization["patches"]:
-        assert (overlay / patch["path"]).is_file(), patch
-    docs = {(d["kind"], d["metadata"]["name"]): d for f in sorted(overlay.glob("*.yaml"))
-            for d in yaml.safe_load_all(f.read_text()) if d and "metadata" in d}  # fmt: skip
+        body = yaml.safe_load((overlay / patch["path"]).read_text())
+        if "target" in patch:
+            target = patch["target"]
+            i = next(
+                i for i, d in enumerate(docs) if (d["kind"], d["metadata"]["name"]) == (target["kind"], target["name"])
+            )
+            docs[i] = jsonpatch.apply_patch(docs[i], body)
+        else:
+            i = next(
+                i
+                for i, d in enumerate(docs)
+                if (d["kind"], d["metadata"]["name"]) == (body["kind"], body["metadata"]["name"])
+            )
+            docs[i]["data"].update(body["data"])
+    return docs
+
+
+def test_kuberay_gcs_fault_tolerance_overlay() -> None:
+    """Checked on what kustomize renders: a patch that replaced the worker group list (a strategic merge on a custom
+    resource does) would leave the GPU workers without image or resources."""
+    rendered = {(d["kind"], d["metadata"]["name"]): d for d in _kuberay_gcs_ft_rendered()}
     base = _kube()
-    ft = docs[("RayCluster", "shunter-ray")]["spec"]
-    (service,) = [name for kind, name in docs if kind == "Service"]
-    assert ft["gcsFaultToleranceOptions"]["redisAddress"] == f"{service}:6379"
-    assert ft["gcsFaultToleranceOptions"]["externalStorageNamespace"]
-    # The patch names a worker group and container the base has (a strategic merge by name).
-    groups = {g["groupName"]: g for g in base[("RayCluster", "shunter-ray")]["spec"]["workerGroupSpecs"]}
-    for group in ft["workerGroupSpecs"]:
-        (container,) = group["template"]["spec"]["containers"]
-        (base_container,) = groups[group["groupName"]]["template"]["spec"]["containers"]
-        assert container["name"] == base_container["name"]
-        env = {e["name"]: e["value"] for e in container["env"]}
-        assert int(env["RAY_gcs_rpc_server_reconnect_timeout_s"]) >= 60
-    config = docs[("ConfigMap", "shunter-config")]["data"]
-    assert config == {"SHUNTER_RAY_DRIVERS_OFF_HEAD": "true"} and ("ConfigMap", "shunter-config") in base
-    assert "SHUNTER_RAY_DRIVERS_OFF_HEAD".removeprefix("SHUNTER_").lower() in Settings.model_fields
-    redis = _container(docs[("Deployment", "shunter-redis")])
+    assert set(base) <= set(rendered)
+    cluster = rendered[("RayCluster", "shunter-ray")]["spec"]
+    assert cluster["gcsFaultToleranceOptions"] == {"redisAddress": "shunter-redis:6379",
+                                                    "externalStorageNamespace": "shunter"}  # fmt: skip
+    assert ("Service", "shunter-redis") in rendered
+    assert rendered[("Service", "shunter-redis")]["spec"]["ports"][0]["port"] == 6379
+    # Everything of the base's worker group is still there, plus the reconnect timeout.
+    (base_group,) = base[("RayCluster", "shunter-ray")]["spec"]["workerGroupSpecs"]
+    (group,) = cluster["workerGroupSpecs"]
+    (base_container,) = base_group["template"]["spec"]["containers"]
+    (container,) = group["template"]["spec"]["containers"]
+    assert {k: v for k, v in container.items() if k != "env"} == {k: v for k, v in base_container.items() if k != "env"}
+    assert {k: v for k, v in group.items() if k != "template"} == {
+        k: v for k, v in base_group.items() if k != "template"
+    }
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert {e["name"]: e["value"] for e in base_container["env"]}.items() <= env.items()
+    assert int(env["RAY_gcs_rpc_server_reconnect_timeout_s"]) >= 60
+    config = rendered[("ConfigMap", "shunter-config")]["data"]
+    assert config["SHUNTER_RAY_DRIVERS_OFF_HEAD"] == "true"
+    assert set(config) - {"SHUNTER_RAY_DRIVERS_OFF_HEAD"} == set(base[("ConfigMap", "shunter-config")]["data"])
+    assert "ray_drivers_off_head" in Settings.model_fields
+    redis = _container(rendered[("Deployment", "shunter-redis")])
     assert "--appendonly" in redis["args"] and redis["volumeMounts"][0]["mountPath"] == "/data"
