@@ -16,6 +16,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
+from typing import Any
 
 from service.ray_local import dashboard_answers, free_port, head_environment, head_processes
 from tests.conftest import wait_for
@@ -130,3 +131,19 @@ class WorkerNode(_Node):
             f"--num-cpus={self.num_cpus}", f"--temp-dir={self.temp_dir}",
             f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats",
         ], env)  # fmt: skip
+
+
+def serve_against(head: ExternalHead, tmp_path: Path, **extra: str) -> Any:
+    """A `shunter serve` (SQLite under tmp_path) on `head`, with the tests' short tick and lease; `extra` settings."""
+    from tests.service.conftest import Service
+
+    port = free_port()
+    env = dict(os.environ)
+    env.update({
+        "SHUNTER_DATABASE_URL": f"sqlite:///{tmp_path / 'shunter.db'}", "SHUNTER_DATA_DIR": str(tmp_path),
+        "SHUNTER_STORAGE_URI": str(tmp_path / "checkpoints"), "SHUNTER_RAY_ADDRESS": head.gcs_address,
+        "SHUNTER_RAY_DASHBOARD_URL": head.dashboard_url, "SHUNTER_PORT": str(port),
+        "SHUNTER_DISPATCHER_TICK_SECONDS": "0.25", "SHUNTER_LEASE_SECONDS": "5", "SHUNTER_TRAIN_POLL_SECONDS": "0.1",
+        "PYTHONUNBUFFERED": "1", **extra,
+    })  # fmt: skip
+    return Service(data_dir=tmp_path, port=port, env=env).start()

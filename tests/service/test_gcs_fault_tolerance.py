@@ -14,7 +14,6 @@ node with 3 CPUs, both `ray start --block` processes; the machine's Redis on 127
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -24,10 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
-from service.ray_local import free_port
 from tests.conftest import wait_for
-from tests.external_ray import ExternalHead, WorkerNode, redis_answers
-from tests.service.conftest import Service
+from tests.external_ray import ExternalHead, WorkerNode, redis_answers, serve_against
 
 pytestmark = pytest.mark.slow
 SPEC = {
@@ -68,19 +65,6 @@ def cluster() -> Iterator[ExternalHead]:
         head.forget()
 
 
-def service(tmp_path: Path, head: ExternalHead, **extra: str) -> Service:
-    port = free_port()
-    env = dict(os.environ)
-    env.update({
-        "SHUNTER_DATABASE_URL": f"sqlite:///{tmp_path / 'shunter.db'}", "SHUNTER_DATA_DIR": str(tmp_path),
-        "SHUNTER_STORAGE_URI": str(tmp_path / "checkpoints"), "SHUNTER_RAY_ADDRESS": head.gcs_address,
-        "SHUNTER_RAY_DASHBOARD_URL": head.dashboard_url, "SHUNTER_PORT": str(port),
-        "SHUNTER_DISPATCHER_TICK_SECONDS": "0.25", "SHUNTER_LEASE_SECONDS": "5", "SHUNTER_TRAIN_POLL_SECONDS": "0.1",
-        "PYTHONUNBUFFERED": "1", **extra,
-    })  # fmt: skip
-    return Service(data_dir=tmp_path, port=port, env=env).start()
-
-
 def restart_head_after_checkpoints(http: httpx.Client, head: ExternalHead, ids: list[str]) -> None:
     def checkpointed() -> bool:
         return all(len(http.get(f"/v1/jobs/{i}/checkpoints").json()) >= 1 for i in ids)
@@ -106,7 +90,7 @@ def ray_job(head: ExternalHead, submission_id: str) -> dict[str, Any]:
 
 
 def test_jobs_with_drivers_off_the_head_outlive_a_head_restart(tmp_path: Path, cluster: ExternalHead) -> None:
-    svc = service(tmp_path, cluster, SHUNTER_RAY_DRIVERS_OFF_HEAD="true")
+    svc = serve_against(cluster, tmp_path, SHUNTER_RAY_DRIVERS_OFF_HEAD="true")
     try:
         http = httpx.Client(base_url=svc.url, timeout=30)
         ids = [http.post("/v1/jobs", json=SPEC).json()["id"] for _ in range(2)]
@@ -137,7 +121,7 @@ def test_jobs_with_drivers_off_the_head_outlive_a_head_restart(tmp_path: Path, c
 def test_a_job_whose_driver_died_with_the_head_is_resumed_not_left_running(
     tmp_path: Path, cluster: ExternalHead
 ) -> None:
-    svc = service(tmp_path, cluster)  # Ray's default placement: the driver on the head
+    svc = serve_against(cluster, tmp_path)  # Ray's default placement: the driver on the head
     try:
         http = httpx.Client(base_url=svc.url, timeout=30)
         job_id = http.post("/v1/jobs", json=SPEC).json()["id"]

@@ -6,7 +6,6 @@ lost attempts end as `cluster_restarted` and do not use up `max_attempts`.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,10 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.ray_local import free_port
 from tests.conftest import wait_for
-from tests.external_ray import ExternalHead
-from tests.service.conftest import Service
+from tests.external_ray import ExternalHead, serve_against
 
 pytestmark = pytest.mark.slow
 
@@ -31,16 +28,7 @@ def head() -> Iterator[ExternalHead]:
 
 
 def test_jobs_survive_a_head_restart_without_restarting_shunter(tmp_path: Path, head: ExternalHead) -> None:
-    port = free_port()
-    env = dict(os.environ)
-    env.update({
-        "SHUNTER_DATABASE_URL": f"sqlite:///{tmp_path / 'shunter.db'}", "SHUNTER_DATA_DIR": str(tmp_path),
-        "SHUNTER_STORAGE_URI": str(tmp_path / "checkpoints"), "SHUNTER_RAY_ADDRESS": head.gcs_address,
-        "SHUNTER_RAY_DASHBOARD_URL": head.dashboard_url, "SHUNTER_PORT": str(port),
-        "SHUNTER_DISPATCHER_TICK_SECONDS": "0.25", "SHUNTER_LEASE_SECONDS": "5", "SHUNTER_TRAIN_POLL_SECONDS": "0.1",
-        "PYTHONUNBUFFERED": "1",
-    })  # fmt: skip
-    svc = Service(data_dir=tmp_path, port=port, env=env).start()
+    svc = serve_against(head, tmp_path)
     try:
         http = httpx.Client(base_url=svc.url, timeout=30)
         spec = {"entrypoint": {"callable": "examples.mlp:train_loop"}, "resources": {"num_workers": 1},
