@@ -205,7 +205,8 @@ class Dispatcher:
         facts = JobFacts(
             state=JobState(fresh.state), step=fresh.step, preempt_requested_at=fresh.preempt_requested_at,
             timeout_seconds=spec.timeout_seconds if spec else None, checkpointed_since_preempt=checkpointed,
-            spec_error=spec_error,
+            spec_error=spec_error, script=bool(spec and spec.entrypoint.script),
+            num_workers=spec.resources.num_workers if spec else 1,
         )  # fmt: skip
         attempt_facts = AttemptFacts(attempt.submitted, attempt.started_at, attempt.end_reason)
         info = self.ray.info(attempt.submission_id)
@@ -305,7 +306,7 @@ class Dispatcher:
                           "preempt_requested_at": None}  # fmt: skip
                 if reason is EndReason.PREEMPTED:
                     values.update(preemptions=job.preemptions + 1, last_error=None)
-                    message = "preempted for a higher-priority job"
+                    message = "preempted to make room for another job (its preemption_requested event says which)"
                 elif reason is EndReason.CLUSTER_RESTARTED:
                     values.update(cluster_restarts=job.cluster_restarts + 1)
                 transition(session, job, to=JobState.QUEUED, reason=reason.value, lease_token=job.lease_token,

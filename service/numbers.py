@@ -12,7 +12,7 @@ import types
 import typing
 from typing import Any
 
-from pydantic import BaseModel, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 
 @functools.lru_cache(maxsize=1024)
@@ -30,3 +30,10 @@ class NoBoolNumbers(BaseModel):
         if isinstance(value, bool) and info.field_name and _numeric(cls.model_fields[info.field_name].annotation):
             raise ValueError("must be a number, not true/false")
         return value
+
+
+class StrictModel(NoBoolNumbers):
+    """Unknown fields are errors: a misspelt option must not be silently ignored."""
+
+    # NaN and infinity are not JSON: a spec holding one would not come back the same from the database.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)

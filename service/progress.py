@@ -39,27 +39,34 @@ def record_report(
     checkpoint_complete: bool = True,
     keep: int | None = None,
     report_index: int = 0,
+    progress: bool = True,
 ) -> bool:
     """Store one `ray.train.report` (rank 0's metrics, and the checkpoint if any). False if fenced off.
 
     Only a complete checkpoint becomes the job's latest; with `keep`, older complete ones beyond the newest `keep`
     are marked pruned, as Ray Train's `num_to_keep` deletes them. A report of a checkpoint this attempt already
     recorded is a replay (the driver's final report, a retried send): it sets the progress and adds no rows.
+    `progress=False`: a checkpoint only (a script's output folder, sealed by shunter): the job's step and metrics stay
+    as the script's own reports left them; `metrics["step"]`, when given, is the checkpoint's step.
     """
     numeric = _numeric(metrics)
-    step = int(metrics["step"]) if isinstance(metrics.get("step"), int | float) else report_index
+    if progress:
+        step: int | None = int(metrics["step"]) if isinstance(metrics.get("step"), int | float) else report_index
+    else:
+        step = int(numeric["step"]) if "step" in numeric else None
+        numeric = {}
     now = utcnow()
     with Session(engine) as session:
         begin_write(session)
-        values: dict[str, Any] = {"step": step, "latest_metrics": numeric, "progress_at": now}
+        values: dict[str, Any] = {"step": step, "latest_metrics": numeric, "progress_at": now} if progress else {}
         if checkpoint_uri and checkpoint_complete:
             values["latest_checkpoint"] = checkpoint_uri
-        result = session.execute(
-            update(Job)
-            .where(Job.id == job_id, Job.attempt == attempt, Job.state.in_(ACTIVE_STATES))  # type: ignore[attr-defined]
-            .values(**values)
-        )
-        if result.rowcount != 1:  # type: ignore[attr-defined]
+        current = (Job.id == job_id, Job.attempt == attempt, Job.state.in_(ACTIVE_STATES))  # type: ignore[attr-defined]
+        if values:
+            fenced = session.execute(update(Job).where(*current).values(**values)).rowcount != 1  # type: ignore[attr-defined]
+        else:
+            fenced = session.exec(select(Job.id).where(*current)).first() is None
+        if fenced:
             session.rollback()
             return False
         if checkpoint_uri and session.exec(
@@ -80,6 +87,74 @@ def record_report(
                 _mark_pruned(session, job_id=job_id, keep=keep)
             record_event(session, job_id, kind=EventKind.CHECKPOINT, reason="checkpoint_saved", message=checkpoint_uri,
                          attempt=attempt, at=now)  # fmt: skip
+        session.commit()
+    return True
+
+
+def record_started(engine: Engine, *, job_id: str, attempt: int) -> bool:
+    """Every rank's train loop (or script process) of this attempt has started: the job is at step 0 until its first
+    report, which is what the dispatcher marks RUNNING on. False when fenced off, or a report came first."""
+    with Session(engine) as session:
+        begin_write(session)
+        result = session.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.attempt == attempt, Job.state.in_(ACTIVE_STATES),  # type: ignore[attr-defined]
+                   Job.step.is_(None))  # type: ignore[union-attr]
+            .values(step=0, progress_at=utcnow())
+        )  # fmt: skip
+        session.commit()
+        return bool(result.rowcount == 1)  # type: ignore[attr-defined]
+
+
+def record_restore(
+    engine: Engine,
+    *,
+    job_id: str,
+    attempt: int,
+    checkpoint_uri: str,
+    step: int | None = None,
+    complete: bool = True,
+    written_by: int | None = None,
+) -> bool:
+    """Record that this attempt's train loop restored `checkpoint_uri` (Ray Train's latest of the run), before its
+    first step. False when fenced off or already recorded for this attempt.
+
+    A checkpoint shunter does not list yet is listed now (as written by attempt `written_by`, when its manifest says
+    so and it is an earlier or this attempt; else by this one) and, when complete, becomes the job's latest: its report
+    was lost, e.g. with a Ray head killed between Ray Train's own record of the checkpoint and the report reaching the
+    API. Without this the job's checkpoint list would miss the very checkpoint the job went on from.
+    """
+    now = utcnow()
+    with Session(engine) as session:
+        begin_write(session)
+        job = session.exec(
+            select(Job)
+            .where(Job.id == job_id, Job.attempt == attempt, Job.state.in_(ACTIVE_STATES))  # type: ignore[attr-defined]
+            .with_for_update()
+        ).first()
+        if job is None:
+            return False
+        at = f" (step {step})" if step is not None else ""
+        message = f"attempt {attempt} resumed from {checkpoint_uri}{at}"
+        said = session.exec(
+            select(JobEvent.message).where(JobEvent.job_id == job_id, JobEvent.attempt == attempt,
+                                           JobEvent.reason == "checkpoint_restored")
+        ).all()  # fmt: skip
+        if any(m == message or (m or "").startswith(message + ";") for m in said):
+            return False  # a restarted worker group restoring the same checkpoint again
+        known = session.exec(
+            select(Checkpoint.id).where(Checkpoint.job_id == job_id, Checkpoint.uri == checkpoint_uri).limit(1)
+        ).first()
+        if known is None:
+            writer = written_by if written_by is not None and 1 <= written_by <= attempt else attempt
+            session.add(Checkpoint(job_id=job_id, attempt=writer, step=step, uri=checkpoint_uri, metrics={},
+                                   complete=complete, created_at=now))  # fmt: skip
+            if complete:
+                job.latest_checkpoint = checkpoint_uri
+                session.add(job)
+            message += "; its report had not reached shunter, so it is listed now"
+        record_event(session, job_id, kind=EventKind.CHECKPOINT, reason="checkpoint_restored", message=message,
+                     attempt=attempt, at=now)  # fmt: skip
         session.commit()
     return True
 

@@ -6,7 +6,8 @@ x cancel x timeout x preemption x lease x submission patience in milliseconds.
 
 Possible outcomes, by state (the state changes themselves happen in `Finish` and `MarkRunning`):
 - STARTING, not yet submitted: Submit; Finish(infra) once submission has failed for `submit_seconds`.
-- STARTING/RUNNING, Ray running: Wait; MarkRunning on the first report; Stop(timeout | preempted | user_error).
+- STARTING/RUNNING, Ray running: Wait; MarkRunning once every rank started (step 0) or on the first report;
+  Stop(timeout | preempted | user_error).
 - any, Ray running but the driver's node is dead: Finish(cluster_restarted | node_lost), or Finish(cancelled).
 - any, Ray ended: Finish(reason), where the retry policy then decides between QUEUED and an end state.
 - CANCELLING: Stop until Ray ends it, then Finish(cancelled) (or the job's true end, if it finished first).
@@ -31,6 +32,8 @@ class JobFacts:
     preempt_requested_at: datetime | None = None
     checkpointed_since_preempt: bool = False  # a complete checkpoint arrived after the preemption request
     spec_error: str | None = None  # the stored spec no longer validates (a row written by an older release, ...)
+    script: bool = False  # script mode: what starts on each rank is the user's script process
+    num_workers: int = 1
 
 
 @dataclass(frozen=True)
@@ -154,9 +157,17 @@ def decide(
     if job.preempt_requested_at is not None:
         asked = (now - job.preempt_requested_at).total_seconds()
         if job.checkpointed_since_preempt or asked >= patience.preemption_grace_seconds:
-            return [*actions, Stop(EndReason.PREEMPTED, "stopped to make room for a higher-priority job")]
+            return [*actions, Stop(EndReason.PREEMPTED, "stopped to make room for another job")]
     if job.timeout_seconds is not None and waited > job.timeout_seconds:
         return [*actions, Stop(EndReason.TIMEOUT, f"ran past timeout_seconds={job.timeout_seconds:g}")]
     if job.state is JobState.STARTING and job.step is not None:
-        return [*actions, MarkRunning(f"workers placed; first report at step {job.step}")]
+        return [*actions, MarkRunning(running_message(job))]
     return [*actions, Wait(f"Ray says {ray.status}")]
+
+
+def running_message(job: JobFacts) -> str:
+    """The state reason of RUNNING: every rank started (the workers' own word, step 0), or a first report came."""
+    if job.step == 0:
+        what = "script process" if job.script else "train loop"
+        return f"every rank's {what} started ({job.num_workers} worker{'s' if job.num_workers != 1 else ''})"
+    return f"workers placed; first report at step {job.step}"

@@ -10,11 +10,10 @@ from __future__ import annotations
 import math
 import re
 from enum import Enum
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     StrictBool,
     ValidationError,
@@ -25,11 +24,11 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from service import resources
-from service.numbers import NoBoolNumbers
+from service.entrypoint import Entrypoint
+from service.numbers import StrictModel
 from service.strategy import StrategySpec, check_finite
 
 # Matched with fullmatch: `$` would also accept a trailing newline.
-_CALLABLE = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 QUEUE_PATTERN = r"[a-z0-9][a-z0-9_-]{0,63}"
 QUEUE_NAME = re.compile(QUEUE_PATTERN)
@@ -50,18 +49,10 @@ _MEMORY_UNITS = {
     "g": 1000**3, "gb": 1000**3, "gi": 1024**3, "gib": 1024**3,
     "t": 1000**4, "tb": 1000**4, "ti": 1024**4, "tib": 1024**4,
 }  # fmt: skip
-RECIPES = ("causal-lm",)
 # Ray runtime_env keys shunter passes through untouched; anything else is a typo worth a 422.
 RUNTIME_ENV_KEYS = frozenset(
     {"working_dir", "py_modules", "pip", "uv", "conda", "env_vars", "excludes", "config", "image_uri", "container"}
 )
-
-
-class StrictModel(NoBoolNumbers):
-    """Unknown fields are errors: a misspelt option must not be silently ignored."""
-
-    # NaN and infinity are not JSON: a spec holding one would not come back the same from the database.
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
 
 def field_error(loc: tuple[str | int, ...], message: str, value: Any, title: str = "JobSpec") -> ValidationError:
@@ -145,78 +136,6 @@ def _amount_problem(key: str, amount: Any, use_gpu: bool | None) -> str | None:
     if key == "GPU" and use_gpu and amount < MIN_AMOUNT:
         return f"must be at least {MIN_AMOUNT} with use_gpu: true; leave it out for 1 GPU per worker (got {amount})"
     return None
-
-
-# The entrypoint's rules in its JSON schema, so a client (or a fuzzer) reading the OpenAPI document knows them:
-# exactly one of callable / script / recipe is given (an empty script counts as not given), and args only with a
-# script. Each branch is what `Entrypoint._exactly_one` accepts, no more and no less.
-_SCRIPT_NOT_GIVEN = {"anyOf": [{"type": "null"}, {"const": ""}]}
-_ENTRYPOINT_ONE_OF = [
-    {
-        "title": "callable",
-        "required": ["callable"],
-        "properties": {"callable": {"type": "string"}, "script": _SCRIPT_NOT_GIVEN, "recipe": {"type": "null"},
-                       "args": {"maxItems": 0}},
-    },
-    {
-        "title": "script",
-        "required": ["script"],
-        "properties": {"script": {"type": "string", "minLength": 1}, "callable": {"type": "null"},
-                       "recipe": {"type": "null"}},
-    },
-    {
-        "title": "recipe",
-        "required": ["recipe"],
-        "properties": {"recipe": {"type": "string"}, "callable": {"type": "null"}, "script": _SCRIPT_NOT_GIVEN,
-                       "args": {"maxItems": 0}},
-    },
-]  # fmt: skip
-
-
-class Entrypoint(StrictModel):
-    """Exactly one of: a train loop callable, an unchanged torchrun-style script, a built-in recipe."""
-
-    model_config = ConfigDict(json_schema_extra={"oneOf": _ENTRYPOINT_ONE_OF})
-
-    callable: str | None = Field(
-        None,
-        description="`module:function`, a train_loop_per_worker(config)",
-        json_schema_extra={"pattern": f"^{_CALLABLE.pattern}$"},
-    )
-    script: str | None = Field(None, description="path of a torchrun-style script, run in every worker")
-    args: list[str] = Field(default_factory=list, description="arguments for `script`")
-    recipe: str | None = Field(
-        None, description="a built-in recipe: causal-lm", json_schema_extra={"enum": [*RECIPES, None]}
-    )
-
-    @field_validator("callable")
-    @classmethod
-    def _callable_form(cls, value: str | None) -> str | None:
-        if value is not None and not _CALLABLE.fullmatch(value):
-            raise ValueError(f"must be 'module:function' (e.g. examples.mlp:train_loop), got {value!r}")
-        return value
-
-    @field_validator("recipe")
-    @classmethod
-    def _known_recipe(cls, value: str | None) -> str | None:
-        if value is not None and value not in RECIPES:
-            raise ValueError(f"unknown recipe {value!r}; known: {', '.join(RECIPES)}")
-        return value
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> Entrypoint:
-        given = [k for k in ("callable", "script", "recipe") if getattr(self, k)]
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of callable, script, recipe (got {', '.join(given) or 'none'})")
-        if self.args and not self.script:
-            raise ValueError("args are only for script entrypoints")
-        return self
-
-    @property
-    def kind(self) -> Literal["callable", "script", "recipe"]:
-        if self.callable:
-            return "callable"
-        return "script" if self.script else "recipe"
 
 
 class Placement(str, Enum):

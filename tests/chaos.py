@@ -4,7 +4,9 @@ at random moments (and started again), and the Ray head is killed and started ag
 
 - every job SUCCEEDED, at its last step;
 - no training step ran twice within an attempt, and each later attempt started right after a complete checkpoint of
-  an earlier one, or from scratch (the jobs' own traces: rank 0 appends "<attempt> <step>" after each step). How many
+  an earlier one that shunter lists (reported by the attempt that wrote it or, that report lost with a killed head,
+  by the attempt that restored it) at a step an earlier attempt reached, or from scratch (the jobs' own traces: rank
+  0 appends "<attempt> <step>" after each step). How many
   resumed from an older checkpoint than the newest one shunter listed is a figure (`resumed_behind`), not a failure:
   see the note in `check`;
 - no Ray submission id was used twice (Ray's job list before the head restart and at the end, and shunter's events);
@@ -226,6 +228,8 @@ class Chaos:
         training that has something to resume from."""
         running = self._api("/v1/jobs", params={"limit": 500, "state": "RUNNING"})["items"]
         for job in running:
+            if (job.get("step") or 0) >= self.steps:
+                continue  # done training, only finishing: a restart now would cut nothing
             checkpoints = self._api(f"/v1/jobs/{job['id']}/checkpoints")
             if any(c["complete"] and c["attempt"] == job["attempt"] for c in checkpoints):
                 return True
@@ -284,27 +288,44 @@ class Chaos:
             attempts = self._api(f"/v1/jobs/{job_id}/attempts")
             attempts_total += len(attempts)
             reasons.update(a["end_reason"] or "none" for a in attempts)
+            restored = set()  # attempts that said which checkpoint Ray Train restored for them
             for e in self._api(f"/v1/jobs/{job_id}/events"):
                 if e["reason"] == "ray_job_submitted":
                     submitted_events[(job_id, e.get("attempt") or 0)] += 1
+                if e["reason"] == "checkpoint_restored":
+                    restored.add(e.get("attempt"))
+            # An attempt resumed at the final step trains nothing and leaves no trace: its restore event counts it.
+            resumed += len(
+                {a["number"] for a in attempts if a["number"] > 1} & restored - set(by_attempt_of(self.traces[job_id]))
+            )
             checkpoints = [c for c in self._api(f"/v1/jobs/{job_id}/checkpoints") if c["complete"]]
-            by_attempt: dict[int, list[int]] = {}
-            lines = self.traces[job_id].read_text().splitlines() if self.traces[job_id].exists() else []
-            for line in lines:
-                attempt, step = line.split()
-                by_attempt.setdefault(int(attempt), []).append(int(step))
+            by_attempt = by_attempt_of(self.traces[job_id])
             highest = 0
             for attempt in sorted(by_attempt):
                 steps = by_attempt[attempt]
                 steps_run += len(steps)
                 if steps != list(range(steps[0], steps[0] + len(steps))):
                     problems.append(f"{job_id} attempt {attempt}: steps not run once each in order: {steps}")
-                saved = {c["step"] for c in checkpoints if c["attempt"] < attempt and c["step"] is not None}
+                # A complete checkpoint of an earlier attempt, as shunter lists it: reported by that attempt, or
+                # (its report lost) by this one, which restored it before its first step (`report_restored`).
+                saved = {
+                    c["step"]
+                    for c in checkpoints
+                    if c["step"] is not None
+                    and (c["attempt"] < attempt or (c["attempt"] == attempt and c["step"] < steps[0]))
+                }
+                reached = {s for a, earlier in by_attempt.items() if a < attempt for s in earlier}
                 if steps[0] - 1 not in saved | {0}:
                     problems.append(f"{job_id} attempt {attempt}: started at step {steps[0]}, which follows no "
                                     f"complete checkpoint of an earlier attempt ({sorted(saved)})")  # fmt: skip
+                elif steps[0] > 1 and steps[0] - 1 not in reached:
+                    problems.append(f"{job_id} attempt {attempt}: resumed from step {steps[0] - 1}, which no earlier "
+                                    f"attempt reached")  # fmt: skip
                 if steps[0] > 1:
                     resumed += 1
+                    if attempt not in restored:
+                        problems.append(f"{job_id} attempt {attempt}: resumed at step {steps[0]} without saying "
+                                        f"which checkpoint it restored")  # fmt: skip
                 if steps[0] - 1 < max(saved, default=0):
                     # Resumed from an older checkpoint than the newest shunter lists: Ray Train restores its run from
                     # its own record, which a head killed between a checkpoint's report and that record misses.
@@ -364,3 +385,12 @@ class Chaos:
 
 def dump(report: ChaosReport, path: Path) -> None:
     path.write_text(json.dumps(report.summary(), indent=2) + "\n")
+
+
+def by_attempt_of(trace: Path) -> dict[int, list[int]]:
+    """A job's trace: the steps each attempt ran, in order."""
+    by_attempt: dict[int, list[int]] = {}
+    for line in trace.read_text().splitlines() if trace.exists() else []:
+        attempt, step = line.split()
+        by_attempt.setdefault(int(attempt), []).append(int(step))
+    return by_attempt

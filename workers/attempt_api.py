@@ -96,6 +96,24 @@ class AttemptApi:
     def send_report(self, body: dict[str, Any], *, patience: float = 0.0) -> bool:
         return bool(self._call("POST", "report", body, patience=patience)["recorded"])
 
+    def restored(
+        self, checkpoint_uri: str, *, step: int | None, complete: bool, written_by: int | None,
+        patience: float = 0.0,
+    ) -> bool:  # fmt: skip
+        """Say which checkpoint this attempt resumed from; False when fenced off or already said."""
+        body = {"checkpoint_uri": checkpoint_uri, "step": step, "complete": complete, "written_by_attempt": written_by}
+        return bool(self._call("POST", "restored", body, patience=patience)["recorded"])
+
+    def started(self, *, patience: float = 0.0) -> bool:
+        """Every rank of this attempt has started (its train loop, or its script process)."""
+        return bool(self._call("POST", "started", {}, patience=patience)["recorded"])
+
+    def checkpoint(self, uri: str, *, step: int | None, complete: bool = True, patience: float = 0.0) -> bool:
+        """A checkpoint only (a script's sealed output folder): the job's step and metrics are left as they are."""
+        body = {"metrics": {} if step is None else {"step": step}, "step": step or 0, "checkpoint_uri": uri,
+                "checkpoint_complete": complete, "progress": False}  # fmt: skip
+        return self.send_report(body, patience=patience)
+
     def warning(self, code: str, message: str) -> bool:
         return bool(self._call("POST", "warning", {"code": code, "message": message[:4000]})["recorded"])
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from service.strategy import StrategyKind
 from workers import manifest
-from workers.context import STRATEGY_METRIC
+from workers.context import ENV_ATTEMPT, STRATEGY_METRIC
 from workers.manifest import MANIFEST, STATE
 from workers.ranks import world
 
@@ -145,7 +145,9 @@ def save(prepared: Prepared, directory: str | Path) -> Path:
                 if name in files and files[name]["sha256"] != entry["sha256"]:
                     raise RuntimeError(f"checkpoint file {name} written differently by two ranks")
                 files[name] = entry
-        manifest.write(directory, files, step=prepared.step, epoch=prepared.epoch)
+        attempt = os.environ.get(ENV_ATTEMPT)
+        manifest.write(directory, files, step=prepared.step, epoch=prepared.epoch,
+                       attempt=int(attempt) if attempt and attempt.isdigit() else None)  # fmt: skip
     return directory
 
 

@@ -32,7 +32,9 @@ def classify_failure(exc: BaseException) -> EndReason:
     killer as one possible cause, which must not turn every lost worker into an out-of-memory failure.
     """
     failures = list((getattr(exc, "worker_failures", None) or {}).values()) or [exc]
-    names = {type(e).__name__ for e in failures} | {type(exc).__name__}
+    # Ray Train wraps a train loop's own exception (UserExceptionWithTraceback): its type is the one that tells.
+    names = {type(getattr(e, "_base_exc", e)).__name__ for e in failures} | {type(e).__name__ for e in failures}
+    names |= {type(exc).__name__}
     text = " ".join(f"{type(e).__name__}: {e}" for e in [exc, *failures])
     lowered = text.lower()
     if "OutOfMemoryError" in names or "cuda out of memory" in lowered or "running low on memory" in lowered:
@@ -45,7 +47,7 @@ def classify_failure(exc: BaseException) -> EndReason:
     if "NodeDiedError" in names or "its node has died" in lowered or "node was terminated" in lowered:
         return EndReason.NODE_LOST
     health = {"WorkerHealthCheckFailedError", "WorkerHealthCheckTimeoutError"}
-    lost = {"ActorDiedError", "WorkerCrashedError", "ActorUnavailableError"} | health
+    lost = {"ActorDiedError", "WorkerCrashedError", "ActorUnavailableError", "ScriptKilledError"} | health
     # A surviving rank's collective fails first when a peer dies (gloo: "Connection closed by peer ... typically caused
     # by a remote worker crashing"); under load that arrives before Ray's own report of the dead worker.
     peer_gone = any(p in lowered for p in ("connection closed by peer", "connection reset by peer",

@@ -5,7 +5,9 @@ It sits above the strategies, the recipes and script mode, which it chooses betw
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +16,36 @@ if TYPE_CHECKING:
 
 
 def train_loop_for(spec: JobSpec) -> tuple[Callable[[dict[str, Any]], None], dict[str, Any]]:
-    """(train_loop_per_worker, train_loop_config) for the job's entrypoint, for the driver's TorchTrainer."""
+    """(train_loop_per_worker, train_loop_config) for the job's entrypoint, for the driver's TorchTrainer.
+
+    Whatever the entrypoint, the loop first tells shunter which checkpoint Ray Train restored for it, if any
+    (`workers.progress.report_restored`)."""
+    loop, config = _user_loop(spec)
+    # Script mode says it started once every rank's script process is up (workers.script), not before.
+    return functools.partial(run_loop, loop=loop, announce=not spec.entrypoint.script), config
+
+
+def run_loop(config: dict[str, Any], *, loop: Callable[..., Any], announce: bool = True) -> Any:
+    """Run the job's own train loop on this worker, after rank 0 has reported the checkpoint it resumes from and,
+    with `announce`, that every rank's loop has started (RUNNING); the loop is called as Ray Train would call it
+    (with the config when it takes an argument)."""
+    from workers.progress import announce_started, report_restored
+
+    report_restored()
+    if announce:
+        announce_started()
+    return loop(config) if _takes_config(loop) else loop()
+
+
+def _takes_config(loop: Callable[..., Any]) -> bool:
+    try:
+        parameters = inspect.signature(loop).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): Ray Train would pass the config
+        return True
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in parameters)
+
+
+def _user_loop(spec: JobSpec) -> tuple[Callable[..., Any], dict[str, Any]]:
     entry = spec.entrypoint
     if entry.callable:
         module_name, _, attr = entry.callable.partition(":")
@@ -27,7 +58,8 @@ def train_loop_for(spec: JobSpec) -> tuple[Callable[[dict[str, Any]], None], dic
     if entry.script:
         from workers.script import run_script
 
-        return run_script, {"script": entry.script, "args": list(entry.args)}
+        return run_script, {"script": entry.script, "args": list(entry.args), "outputs": list(entry.outputs),
+                            "resume_arg": entry.resume_arg}  # fmt: skip
     from workers.recipes import recipe_loop
 
     return recipe_loop(entry.recipe or ""), dict(spec.config)

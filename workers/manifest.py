@@ -58,10 +58,15 @@ def listing(directory: str | Path) -> dict[str, dict[str, Any]]:
     }
 
 
-def write(directory: str | Path, files: dict[str, dict[str, Any]], *, step: int, epoch: int) -> dict[str, Any]:
-    """Seal a local checkpoint folder: write its manifest atomically (a reader never sees half of one)."""
+def write(
+    directory: str | Path, files: dict[str, dict[str, Any]], *, step: int, epoch: int, attempt: int | None = None
+) -> dict[str, Any]:
+    """Seal a local checkpoint folder: write its manifest atomically (a reader never sees half of one). `attempt`:
+    the shunter attempt that wrote it, when known (how a checkpoint whose report was lost is listed later)."""
     directory = Path(directory)
     manifest = {"format": FORMAT, "step": step, "epoch": epoch, "time": time.time(), "files": files}
+    if attempt is not None:
+        manifest["attempt"] = attempt
     tmp = directory / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, directory / MANIFEST)

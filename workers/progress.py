@@ -5,6 +5,8 @@ job's progress and metric series, and each persisted checkpoint a `Checkpoint` r
 the attempt's own token (`workers.attempt_api`), never to the database directly. A report the API could not take
 because it was down or restarting is tried again for a moment, then kept (the newest `OUTBOX` of them, checkpoint
 reports first) and sent before the next one; the driver sends the run's final report itself once `fit()` returns.
+Before its first step, a train loop resumed by Ray Train says which checkpoint it restored (`report_restored`), so a
+checkpoint whose report was lost with a killed controller is listed all the same.
 A refusal is logged and skipped: losing one progress point must never fail a training run.
 
 It also checks that the train loop applied the strategy the spec asked for. A plain Ray Train loop that never calls
@@ -16,6 +18,7 @@ covers a successful run that never reported at all (`warn_if_never_reported`).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from typing import Any
@@ -147,3 +150,91 @@ def checkpoint_uri_of(checkpoint: Checkpoint) -> str:
     from workers.storage import uri_of
 
     return uri_of(checkpoint.path, checkpoint.filesystem)
+
+
+STARTED_PATIENCE_SECONDS = 10.0  # how long the start of training waits for an API that is restarting
+
+
+def announce_started() -> None:
+    """Every rank: wait until all ranks got here (a Ray Train barrier), then rank 0 tells shunter the attempt's
+    ranks have all started, which makes the job RUNNING before its first report. Never raises for shunter's part."""
+    import ray.train
+    from ray.train.collective import barrier
+
+    barrier()
+    if ray.train.get_context().get_world_rank() != 0:
+        return
+    try:
+        from workers.context import attempt_api
+
+        api = attempt_api()
+        if api is not None:
+            api.started(patience=STARTED_PATIENCE_SECONDS)
+    except Exception:  # noqa: BLE001 - RUNNING then comes with the first report, as before
+        log.exception("shunter: could not say that this attempt's ranks started")
+
+
+RESTORE_PATIENCE_SECONDS = 30.0  # the first step waits at most this long for an API that is restarting
+
+
+def report_restored() -> None:
+    """On rank 0, before the train loop's first step: tell shunter which checkpoint Ray Train restored for this run
+    (`ray.train.get_checkpoint()`), with its step and writing attempt from shunter's manifest when it has one.
+
+    Ray Train resumes a run from its own record of checkpoints; a checkpoint whose report to shunter was lost (the
+    Train controller killed with a Ray head, its outbox with it) would otherwise be the one the job goes on from and
+    missing from its list. Never raises: progress is news, not a reason to fail training."""
+    try:
+        import ray.train
+
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None or ray.train.get_context().get_world_rank() != 0:
+            return
+        from workers.context import attempt_api
+
+        api = attempt_api()
+        if api is None:
+            return
+        from workers import manifest
+
+        verdict = manifest.check(checkpoint.path, checkpoint.filesystem)
+        sealed = verdict.manifest or {}
+        step = sealed.get("step")
+        if not _whole(step):
+            step = ray_record_of(checkpoint).get("step")
+        writer = sealed.get("attempt")
+        api.restored(
+            checkpoint_uri_of(checkpoint), complete=verdict.complete,
+            step=int(step) if _whole(step) else None, written_by=writer if _whole(writer) and writer >= 1 else None,
+            patience=RESTORE_PATIENCE_SECONDS,
+        )  # fmt: skip
+    except Exception:  # noqa: BLE001 - see the docstring
+        log.exception("shunter: could not report the checkpoint this attempt resumed from")
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0 \
+        and int(value) == value  # fmt: skip
+
+
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's record of a run's checkpoints, beside them
+
+
+def ray_record_of(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The metrics Ray Train recorded with `checkpoint` (rank 0's report), from its run's checkpoint record in
+    storage; {} when that record is missing or not as expected (its format is Ray's own, read defensively: only the
+    checkpoint's step is taken from it, for a checkpoint without shunter's manifest)."""
+    import posixpath
+
+    try:
+        fs = checkpoint.filesystem
+        with fs.open_input_stream(posixpath.join(posixpath.dirname(checkpoint.path), RAY_SNAPSHOT)) as stream:
+            record = json.loads(stream.read())
+        name = posixpath.basename(checkpoint.path.rstrip("/"))
+        for entry in [record.get("latest_checkpoint_result"), *record.get("checkpoint_results", [])]:
+            if isinstance(entry, dict) and entry.get("checkpoint_dir_name") == name:
+                metrics = entry.get("metrics")
+                return dict(metrics) if isinstance(metrics, dict) else {}
+    except Exception:  # noqa: BLE001 - see the docstring
+        log.debug("no Ray Train record for %s", checkpoint.path, exc_info=True)
+    return {}

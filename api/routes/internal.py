@@ -20,7 +20,7 @@ from api.deps import RuntimeDep, SettingsDep
 from api.schemas import ERROR_RESPONSES
 from service import attempt_tokens, progress
 from service.errors import Conflict, Forbidden, NotFound, Unauthorized
-from service.models import ACTIVE_STATES, EndReason, Job
+from service.models import ACTIVE_STATES, EndReason, Job, JobState
 
 MAX_BODY_BYTES = 64 * 1024  # enforced while the body is read, by api.limits.BodyLimit (see api/app.py)
 MAX_METRICS = 256
@@ -72,6 +72,7 @@ class ReportBody(_Body):
     checkpoint_uri: str | None = Field(None, min_length=1, max_length=4096)
     checkpoint_complete: StrictBool = True
     keep: int | None = Field(None, ge=1, le=100_000)
+    progress: StrictBool = Field(True, description="false: a checkpoint only; the job's step and metrics stay")
 
     @field_validator("metrics")
     @classmethod
@@ -82,6 +83,13 @@ class ReportBody(_Body):
         if step is not None and not (0 <= step <= MAX_STEP and math.floor(step) == step):
             raise ValueError(f"metrics.step: a whole number from 0 to {MAX_STEP}")
         return metrics
+
+
+class RestoredBody(_Body):
+    checkpoint_uri: str = Field(min_length=1, max_length=4096)
+    step: int | None = Field(None, ge=0, le=MAX_STEP, description="the checkpoint's step, from its manifest")
+    complete: StrictBool = True
+    written_by_attempt: int | None = Field(None, ge=1, le=1_000_000, description="from its manifest, when known")
 
 
 class EndBody(_Body):
@@ -115,7 +123,31 @@ def report(scope: Scope, body: ReportBody, rt: RuntimeDep) -> Recorded:
     job_id, attempt = scope
     recorded = progress.record_report(
         rt.engine, job_id=job_id, attempt=attempt, metrics=dict(body.metrics), checkpoint_uri=body.checkpoint_uri,
-        checkpoint_complete=body.checkpoint_complete, keep=body.keep, report_index=body.step,
+        checkpoint_complete=body.checkpoint_complete, keep=body.keep, report_index=body.step, progress=body.progress,
+    )  # fmt: skip
+    return Recorded(recorded=recorded)
+
+
+class StartedBody(_Body):
+    pass
+
+
+@router.post("/{job_id}/{attempt}/started", response_model=Recorded)
+def started(scope: Scope, body: StartedBody, rt: RuntimeDep) -> Recorded:
+    """Every rank's train loop (script mode: script process) of this attempt has started; the dispatcher then marks
+    the job RUNNING. `recorded: false` when not current, or when a report came first."""
+    job_id, attempt = scope
+    return Recorded(recorded=progress.record_started(rt.engine, job_id=job_id, attempt=attempt))
+
+
+@router.post("/{job_id}/{attempt}/restored", response_model=Recorded)
+def restored(scope: Scope, body: RestoredBody, rt: RuntimeDep) -> Recorded:
+    """The checkpoint this attempt's train loop resumed from (Ray Train's latest of the run), before its first step;
+    listed if its own report never arrived. `recorded: false` when not current, or already recorded."""
+    job_id, attempt = scope
+    recorded = progress.record_restore(
+        rt.engine, job_id=job_id, attempt=attempt, checkpoint_uri=body.checkpoint_uri, step=body.step,
+        complete=body.complete, written_by=body.written_by_attempt,
     )  # fmt: skip
     return Recorded(recorded=recorded)
 
@@ -147,7 +179,9 @@ def reported(scope: Scope, rt: RuntimeDep) -> Reported:
 
 @router.get("/{job_id}/{attempt}/spec")
 def spec(scope: Scope, rt: RuntimeDep) -> dict[str, Any]:
-    """The job's spec, while the job is on this attempt and active (409 after)."""
+    """The job's spec, while the job is on this attempt and active (409 after), and not being cancelled: Ray may
+    start a driver whose Job it already marked STOPPED (a stop that lands while the runtime env is set up), and
+    that driver, refused its spec here, exits instead of training unseen with the cluster's room."""
     job_id, attempt = scope
     with Session(rt.engine) as session:
         job = session.get(Job, job_id)
@@ -155,4 +189,6 @@ def spec(scope: Scope, rt: RuntimeDep) -> dict[str, Any]:
             raise NotFound(f"job {job_id} not found")
         if job.attempt != attempt or job.state not in ACTIVE_STATES:
             raise Conflict(f"job {job_id} is no longer on attempt {attempt}")
+        if job.state == JobState.CANCELLING:
+            raise Conflict(f"job {job_id} is being cancelled: attempt {attempt} must not start")
         return dict(job.spec)

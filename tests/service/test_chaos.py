@@ -1,5 +1,5 @@
 """Issue 13, item 4: the chaos run, CI-sized. PostgreSQL, an external Ray head, two `shunter api` and two `shunter
-dispatcher` processes; 9 short checkpointing jobs while 10 random SIGKILLs hit the shunter processes and the Ray
+dispatcher` processes; 7 short checkpointing jobs while 8 random SIGKILLs hit the shunter processes and the Ray
 head is killed and started again once (tests/chaos.py holds the harness and the invariants; bench/chaos.py runs the
 long version).
 """
@@ -25,7 +25,7 @@ def pg_url() -> Iterator[str]:
 
 
 def test_chaos_every_job_succeeds_nothing_runs_twice(tmp_path: Path, pg_url: str) -> None:
-    chaos = Chaos(tmp_path, pg_url, seed=13, jobs=9, kills=10, steps=30, checkpoint_every=5, gap=(1.0, 5.0))
+    chaos = Chaos(tmp_path, pg_url, seed=13, jobs=7, kills=8, steps=30, checkpoint_every=5, gap=(1.0, 5.0))
     chaos.start()
     try:
         report = chaos.run(timeout=900)

@@ -40,3 +40,38 @@ def test_node_loss_mid_training_retries_from_checkpoint(multinode: MultiNode, tm
             assert resumed_at == last_ckpt + 1
     finally:
         svc.stop()
+
+
+def test_a_script_spread_over_two_nodes_keeps_each_nodes_part_of_its_checkpoints(
+    multinode: MultiNode, tmp_path: Path
+) -> None:
+    """Script mode's outputs across nodes: an Accelerate loop on 2 workers placed on 2 nodes writes each checkpoint
+    partly on each (rank 1's `random_states_1.pkl` only on its own node). Each node's syncer keeps its part; the
+    rank-0 node seals the folder once both parts are in, and only then lists it."""
+    import json
+
+    from workers import manifest
+
+    svc = Service(data_dir=tmp_path, port=free_port(), env={})
+    svc.env = service_env(tmp_path, multinode.head, svc.port)
+    svc.start()
+    try:
+        spec = {"name": "two-nodes", "entrypoint": {
+                    "script": "examples/scripts/accelerate_loop.py", "outputs": ["out"],
+                    "args": ["--output_dir", "out", "--max_steps", "8", "--checkpointing_steps", "4"]},
+                "resources": {"num_workers": 2, "placement": "spread"}}  # fmt: skip
+        with svc.client() as c:
+            job = c.wait(c.submit(spec).id, timeout=300)
+            assert job.state == "SUCCEEDED", job.last_error
+            listed = [k for k in c.checkpoints(job.id) if k.complete]
+        assert sorted(k.step for k in listed) == [4, 8]
+        for k in listed:
+            assert manifest.check(k.uri, checksums=True).complete
+            parts = {p.name: json.loads(p.read_text()) for p in Path(k.uri, ".shunter-parts").glob("node-*.json")}
+            assert sorted(parts) == ["node-0.json", "node-1.json"], parts
+            assert "random_states_0.pkl" in parts["node-0.json"]["files"]
+            assert set(parts["node-1.json"]["files"]) == {"random_states_1.pkl"}  # written on the other node only
+            sealed = manifest.read(k.uri)["files"]
+            assert {"random_states_0.pkl", "random_states_1.pkl", "model.safetensors"} <= set(sealed)
+    finally:
+        svc.stop()

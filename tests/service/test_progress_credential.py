@@ -188,6 +188,17 @@ def test_attempt_token_writes_only_its_own_attempt(api: LiveApi) -> None:
         assert session.exec(select(Attempt).where(Attempt.job_id == b)).one().end_reason is None
 
 
+def test_a_driver_started_after_its_cancel_is_refused_its_spec(api: LiveApi) -> None:
+    """Ray can start a driver whose Job it already marked STOPPED (the stop landed while the runtime env was set up:
+    seen in CI, the driver then trained a 4-worker job unseen for the rest of the run). The spec is refused to it."""
+    a = _job(api.engine, "a")
+    with Session(api.engine) as session:
+        session.exec(update(Job).where(Job.id == a).values(state=JobState.CANCELLING))  # type: ignore[call-overload]
+        session.commit()
+    refused = _call(api, "GET", f"{a}/1/spec", api.token(a, 1))
+    assert refused.status_code == 409 and "cancelled" in refused.json()["detail"]
+
+
 def test_only_attempt_tokens_open_the_internal_api(api: LiveApi) -> None:
     a = _job(api.engine, "a")
     for token in (None, USER_TOKEN, "garbage", issue(a, 1, "not-this-deployments-key-" + "k" * 20)):

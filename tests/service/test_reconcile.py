@@ -61,6 +61,14 @@ ROWS = [
      [MarkSubmitted(adopted=True), Wait("Ray says PENDING")]),
     ("first report makes it RUNNING", JobFacts(S.STARTING, step=3), AttemptFacts(True, ago(9)), "RUNNING",
      [MarkRunning("workers placed; first report at step 3")]),
+    ("every script process started makes it RUNNING", JobFacts(S.STARTING, step=0, script=True, num_workers=2),
+     AttemptFacts(True, ago(9)), "RUNNING", [MarkRunning("every rank's script process started (2 workers)")]),
+    ("every train loop started makes it RUNNING", JobFacts(S.STARTING, step=0), AttemptFacts(True, ago(9)), "RUNNING",
+     [MarkRunning("every rank's train loop started (1 worker)")]),
+    ("the workers' word wins over a Ray status that lags", JobFacts(S.STARTING, step=0),
+     AttemptFacts(True, ago(9)), "PENDING", [MarkRunning("every rank's train loop started (1 worker)")]),
+    ("not started, no report: waits", JobFacts(S.STARTING), AttemptFacts(True, ago(9)), "RUNNING",
+     [Wait("Ray says RUNNING")]),
     ("running and reporting: nothing to do", JobFacts(S.RUNNING, step=9), AttemptFacts(True, ago(9)), "RUNNING",
      [Wait("Ray says RUNNING")]),
     ("succeeded", JobFacts(S.RUNNING), AttemptFacts(True, ago(9)), "SUCCEEDED",
@@ -91,9 +99,9 @@ ROWS = [
      AttemptFacts(True, ago(99)), "RUNNING", [Wait("Ray says RUNNING")]),
     ("preemption: checkpointed since, stop", JobFacts(S.RUNNING, preempt_requested_at=ago(10),
      checkpointed_since_preempt=True), AttemptFacts(True, ago(99)), "RUNNING",
-     [Stop(R.PREEMPTED, "stopped to make room for a higher-priority job")]),
+     [Stop(R.PREEMPTED, "stopped to make room for another job")]),
     ("preemption: grace over, stop", JobFacts(S.RUNNING, preempt_requested_at=ago(61)), AttemptFacts(True, ago(99)),
-     "RUNNING", [Stop(R.PREEMPTED, "stopped to make room for a higher-priority job")]),
+     "RUNNING", [Stop(R.PREEMPTED, "stopped to make room for another job")]),
     ("preempted job stopped: requeue reason", JobFacts(S.RUNNING, preempt_requested_at=ago(61)),
      AttemptFacts(True, ago(99), R.PREEMPTED), "STOPPED",
      [Finish(R.PREEMPTED, "STOPPED", ray_status="STOPPED", keep_logs=True)]),
@@ -177,7 +185,7 @@ def test_sweep_rules(
         assert names[-1] in {"Finish", "Stop"}  # a job whose spec no longer validates never waits on
     if status in ("PENDING", "RUNNING") and state is not S.CANCELLING and spec_error is None:
         if preempt == "due":
-            assert actions[-1] == Stop(R.PREEMPTED, "stopped to make room for a higher-priority job")
+            assert actions[-1] == Stop(R.PREEMPTED, "stopped to make room for another job")
         elif timed_out:
             assert actions[-1] == Stop(R.TIMEOUT, "ran past timeout_seconds=0.5")
 

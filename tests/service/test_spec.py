@@ -23,6 +23,15 @@ def test_example_spec_is_valid(repo_root) -> None:
     assert spec.resources.per_worker() == {"CPU": 1.0}
 
 
+def test_every_example_spec_is_valid_and_its_script_exists(repo_root) -> None:
+    examples = sorted((repo_root / "examples").glob("*.yaml"))
+    assert len(examples) >= 9
+    for path in examples:
+        spec = JobSpec.model_validate(yaml.safe_load(path.read_text()))
+        if spec.entrypoint.script:
+            assert (repo_root / spec.entrypoint.script).is_file(), path
+
+
 @pytest.mark.parametrize(
     ("patch", "field"),
     [

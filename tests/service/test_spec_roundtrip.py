@@ -62,6 +62,10 @@ def entrypoints(draw: st.DrawFn) -> dict[str, Any]:
         return {"recipe": "causal-lm"}
     out: dict[str, Any] = {"script": draw(st.text(min_size=1, max_size=20))}
     optional(draw, out, "args", st.lists(st.text(max_size=10), max_size=4))
+    # Output directories: distinct single-part names (none inside another), some hidden ones among them.
+    optional(draw, out, "outputs", st.lists(st.from_regex(r"\.?[a-z0-9_-][a-z0-9_.-]{0,8}", fullmatch=True),
+                                            max_size=4, unique=True))  # fmt: skip
+    optional(draw, out, "resume_arg", st.from_regex(r"--?[A-Za-z0-9][A-Za-z0-9_.-]{0,20}", fullmatch=True))
     return out
 
 

@@ -68,3 +68,18 @@ def test_an_old_pickled_rng_file_is_never_unpickled(tmp_path: Path, caplog: pyte
     assert not marker.exists()
     assert fresh.step == 7  # the rest of the checkpoint still resumes
     assert any("pickle" in r.getMessage() and "not loaded" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(("env", "sealed"), [("3", 3), (None, None), ("x", None)])
+def test_the_manifest_names_the_attempt_that_wrote_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: str | None, sealed: int | None
+) -> None:
+    """How a checkpoint whose report was lost is later listed as its writer's (`service.progress.record_restore`)."""
+    if env is None:
+        monkeypatch.delenv("SHUNTER_ATTEMPT", raising=False)
+    else:
+        monkeypatch.setenv("SHUNTER_ATTEMPT", env)
+    checkpoint.save(_prepared(), tmp_path)
+    written = manifest.check(str(tmp_path), checksums=True)
+    assert written.complete and written.manifest is not None
+    assert written.manifest.get("attempt") == sealed and written.manifest["step"] == 7

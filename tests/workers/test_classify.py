@@ -12,6 +12,7 @@ from ray.train.v2._internal.exceptions import (
 
 from service.models import EndReason
 from workers.driver import classify_failure
+from workers.script import ScriptKilledError
 
 GENERIC_DEATH = (
     "The actor is dead because its worker process has died. Some common causes include: (1) the process was killed "
@@ -28,6 +29,14 @@ def group(*errors: Exception) -> WorkerGroupError:
     [
         (group(UserExceptionWithTraceback(RuntimeError("boom"), "tb")), EndReason.USER_ERROR),
         (group(RuntimeError("injected failure at step 5")), EndReason.USER_ERROR),
+        # Script mode: a script killed from outside (OOM killer, operator) lost its worker; its own exit or crash
+        # is its error.
+        (group(UserExceptionWithTraceback(ScriptKilledError("script x.py was killed by SIGKILL on rank 1"), "tb")),
+         EndReason.WORKER_LOST),
+        (group(UserExceptionWithTraceback(RuntimeError("script x.py exited with code -11 on rank 1"), "tb")),
+         EndReason.USER_ERROR),
+        (group(UserExceptionWithTraceback(RuntimeError("script x.py exited with code 3 on rank 0"), "tb")),
+         EndReason.USER_ERROR),
         # A surviving rank's view of a dead peer (seen on a node loss under load, before Ray reported the worker).
         (group(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:25286. This is "
                             "typically caused by a remote worker crashing.")), EndReason.WORKER_LOST),

@@ -12,7 +12,8 @@ from pydantic import ValidationError
 from service.spec import JobSpec
 from service.strategy import MixedPrecision, StrategySpec
 from workers.checkpoint import MANIFEST, IncompleteCheckpointError, verify
-from workers.entrypoint import train_loop_for
+from workers.entrypoint import run_loop, train_loop_for
+from workers.script import run_script
 from workers.strategies.deepspeed import build_config
 
 GUIDE_DS_CONFIG = {  # the reference guide's ds_config.json, minus bf16 (CPU here)
@@ -144,9 +145,24 @@ def test_train_loop_for_callable_and_script() -> None:
     )
     from examples.gpt2_tiny import train_loop
 
-    assert loop is train_loop and config == {"steps": 3}
+    # The job's own loop, run by shunter's wrapper (which first reports the checkpoint Ray Train restored, if any).
+    assert loop.func is run_loop and loop.keywords == {"loop": train_loop, "announce": True} and config == {"steps": 3}
     loop, config = train_loop_for(JobSpec.model_validate({"entrypoint": {"script": "x.py", "args": ["--a", "1"]}}))
-    assert config == {"script": "x.py", "args": ["--a", "1"]}
+    assert loop.keywords == {"loop": run_script, "announce": False}  # a script's processes announce themselves
+    assert config == {"script": "x.py", "args": ["--a", "1"], "outputs": [], "resume_arg": None}
+
+
+def test_the_wrapper_calls_the_loop_as_ray_train_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    import workers.progress
+
+    monkeypatch.setattr(workers.progress, "report_restored", lambda: None)  # no Ray Train session here
+    monkeypatch.setattr(workers.progress, "announce_started", lambda: None)
+    calls: list[object] = []
+    assert run_loop({"a": 1}, loop=lambda config: calls.append(config)) is None
+    assert run_loop({"a": 2}, loop=lambda: calls.append("no config")) is None
+    assert run_loop({"a": 3}, loop=lambda *args: calls.append(args)) is None
+    assert run_loop({"a": 4}, loop=lambda config, extra=1: config["a"] + extra) == 5
+    assert calls == [{"a": 1}, "no config", ({"a": 3},)]
 
 
 def test_checkpoint_without_valid_manifest_is_refused(tmp_path: Path) -> None:
