@@ -17,9 +17,14 @@ install: $(VENV)/.installed
 demo: install
 	bash deploy/demo.sh
 
+# Two runs: the fast tier (pure, CPU-bound) on both cores with pytest-xdist, then the slow tier (real Ray, real
+# processes, timing-bound) alone, so its kills and timeouts never compete with another test. Both always run.
 test: install
 	$(PY) -m workers.warmup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	rc=0; \
+	$(PY) -m pytest -m "not slow" -n 2 $(PYTEST_ARGS) || rc=$$?; \
+	$(PY) -m pytest -m slow $(PYTEST_ARGS) || rc=$$?; \
+	exit $$rc
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

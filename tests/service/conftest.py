@@ -196,7 +196,12 @@ def _multinode(tmp: Path) -> Iterator[MultiNode]:
         },
     )
     try:
-        workers = {name: cluster.add_node(num_cpus=1, resources={f"node_{name}": 1}) for name in ("a", "b")}
+        # Each worker node on an address of its own (127.0.0.2, .3), as separate hosts are: Ray Train numbers
+        # nodes and local ranks by node IP, so nodes sharing the head's IP would count as one.
+        workers = {
+            name: cluster.add_node(num_cpus=1, resources={f"node_{name}": 1}, node_ip_address=f"127.0.0.{2 + i}")
+            for i, name in enumerate(("a", "b"))
+        }
         cluster.wait_for_nodes()
         head = LocalHead(
             gcs_address=cluster.address, dashboard_url=f"http://127.0.0.1:{dashboard_port}", temp_dir=str(tmp)

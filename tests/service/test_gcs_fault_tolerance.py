@@ -93,7 +93,9 @@ def test_jobs_with_drivers_off_the_head_outlive_a_head_restart(tmp_path: Path, c
     svc = serve_against(cluster, tmp_path, SHUNTER_RAY_DRIVERS_OFF_HEAD="true")
     try:
         http = httpx.Client(base_url=svc.url, timeout=30)
-        ids = [http.post("/v1/jobs", json=SPEC).json()["id"] for _ in range(2)]
+        posted = [http.post("/v1/jobs", json=SPEC) for _ in range(2)]
+        assert all(r.status_code == 201 for r in posted), [r.text for r in posted]
+        ids = [r.json()["id"] for r in posted]
         wait_for(lambda: all(http.get(f"/v1/jobs/{i}").json()["state"] == "RUNNING" for i in ids), timeout=120,
                  what="both jobs RUNNING")  # fmt: skip
         drivers = {ray_job(cluster, f"shunter-{i}-1")["driver_node_id"] for i in ids}

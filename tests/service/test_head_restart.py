@@ -34,7 +34,9 @@ def test_jobs_survive_a_head_restart_without_restarting_shunter(tmp_path: Path, 
         spec = {"entrypoint": {"callable": "examples.mlp:train_loop"}, "resources": {"num_workers": 1},
                 "config": {"total_steps": 60, "checkpoint_every": 10, "report_every": 1, "step_sleep": 0.15},
                 "retries": {"max_attempts": 1, "backoff_seconds": 1}}  # fmt: skip
-        ids = [http.post("/v1/jobs", json=spec).json()["id"] for _ in range(2)]
+        posted = [http.post("/v1/jobs", json=spec) for _ in range(2)]
+        assert all(r.status_code == 201 for r in posted), [r.text for r in posted]
+        ids = [r.json()["id"] for r in posted]
 
         def checkpointed() -> bool:
             return all(len(http.get(f"/v1/jobs/{i}/checkpoints").json()) >= 1 for i in ids)
