@@ -8,12 +8,22 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Iterator, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
 import httpx
 
-from api.schemas import AttemptPublic, CheckpointPublic, ClusterPublic, EventPublic, JobList, JobPublic, MetricPoint
+from api.schemas import (
+    AttemptPublic,
+    CheckpointPublic,
+    ClusterPublic,
+    EventPublic,
+    JobList,
+    JobPublic,
+    MetricPoint,
+    UsagePublic,
+)
 
 
 class ApiError(Exception):
@@ -173,6 +183,11 @@ class Client:
 
     def cluster(self) -> ClusterPublic:
         return ClusterPublic.model_validate(self._call("GET", "/v1/cluster"))
+
+    def usage(self, **filters: str | datetime | None) -> UsagePublic:
+        """`GET /v1/usage`; filters: owner, team, queue, since, until (datetimes or ISO-8601 strings)."""
+        params = {k: v.isoformat() if isinstance(v, datetime) else v for k, v in filters.items() if v is not None}
+        return UsagePublic.model_validate(self._call("GET", "/v1/usage", params=params))
 
     def prometheus(self) -> str:
         """The raw Prometheus text of `GET /metrics`."""

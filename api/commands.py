@@ -20,11 +20,11 @@ import typer
 import yaml
 from pydantic import BaseModel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 from api.client import ApiError, Client
 from api.console import console, err
-from api.schemas import EventPublic
+from api.schemas import EventPublic, UsagePublic
 
 app = typer.Typer(help="Talk to a shunter server.", no_args_is_help=True, add_completion=False)
 
@@ -34,8 +34,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
 DEFAULT_URL = "http://127.0.0.1:8080"
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 STATUS_FIELDS = (
-    "id", "name", "state", "state_reason", "attempt", "step", "loss", "latest_checkpoint", "end_reason",
-    "last_error", "created_at", "started_at", "finished_at", "ray_submission_id", "ray_dashboard_url",
+    "id", "name", "state", "state_reason", "position", "estimated_start", "attempt", "step", "loss",
+    "latest_checkpoint", "end_reason", "last_error", "created_at", "started_at", "finished_at", "ray_submission_id",
+    "ray_dashboard_url",
 )  # fmt: skip
 
 
@@ -132,9 +133,28 @@ def status(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None,
     table.add_column(overflow="fold")  # paths and URLs are for copying: fold them, never cut them
     for key in STATUS_FIELDS:
         value = getattr(job, key)
+        if key == "position" and value is not None:
+            value = f"{value.queue} in queue {job.queue!r}, {value.overall} overall"
+        elif key == "estimated_start" and job.state == "QUEUED":
+            value = _start_text(value)
         if value is not None:
             table.add_row(f"[bold]{key}[/bold]", str(value))
     console.print(table)
+
+
+def _start_text(start: Any) -> str:
+    """An estimated start as a local time and a wait ("not known" when a job ahead has no timeout)."""
+    if start is None:
+        return "not known (a job ahead has no timeout_seconds or total_steps)"
+    wait = max(0.0, start.timestamp() - time.time())
+    return f"{start.astimezone():%Y-%m-%d %H:%M:%S} (in {wait / 60:.0f} min)" if wait >= 60 else "within a minute"
+
+
+def _queued_text(job: Any) -> str:
+    """`watch`'s state column while a job waits: its place and expected start."""
+    if job.state != "QUEUED" or job.position is None:
+        return job.state
+    return f"QUEUED #{job.position.queue} in {job.queue}, start {_start_text(job.estimated_start)}"
 
 
 @app.command("list")
@@ -296,6 +316,44 @@ def cluster(server: ServerOpt = DEFAULT_URL, token: TokenOpt = None, as_json: Js
 
 
 @app.command()
+def usage(
+    owner: Annotated[str | None, typer.Option(help="one owner (admins; others always see their own)")] = None,
+    team: Annotated[str | None, typer.Option(help="one team")] = None,
+    queue: Annotated[str | None, typer.Option(help="one queue")] = None,
+    since: Annotated[str | None, typer.Option(help="start, ISO-8601 (no zone: UTC); default: a week back")] = None,
+    until: Annotated[str | None, typer.Option(help="end, ISO-8601 (no zone: UTC); default: now")] = None,
+    server: ServerOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """CPU- and GPU-hours by owner, team and queue; jobs ended by state; queue-wait percentiles."""
+    with _calling(server, token) as c:
+        report = c.usage(owner=owner, team=team, queue=queue, since=since, until=until)
+    if as_json:
+        _print_json(report)
+        return
+    numbers = [Column(name, justify="right") for name in ("CPU-h", "GPU-h", "attempts")]
+    title = f"usage {report.since:%Y-%m-%d %H:%M} to {report.until:%Y-%m-%d %H:%M} UTC"
+    table = Table("owner", "team", "queue", *numbers, title=title)
+    for r in report.rows:
+        table.add_row(r.owner, r.team or "", r.queue, f"{r.cpu_hours:.2f}", f"{r.gpu_hours:.2f}", str(r.attempts))
+    t = report.totals
+    table.add_section()
+    table.add_row("[bold]total[/bold]", "", "", f"{t.cpu_hours:.2f}", f"{t.gpu_hours:.2f}", str(t.attempts))
+    console.print(table)
+    console.print("jobs ended: " + "  ".join(f"{state} {n}" for state, n in report.jobs_ended.items()))
+    console.print(_wait_line(report))
+
+
+def _wait_line(report: UsagePublic) -> str:
+    w = report.queue_wait
+    if not w.jobs:
+        return "queue wait: no job started in the window"
+    cells = "  ".join(f"{name} {value:.0f}s" for name, value in (("p50", w.p50), ("p90", w.p90), ("p99", w.p99)))
+    return f"queue wait ({w.jobs} jobs): {cells}"
+
+
+@app.command()
 def watch(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None) -> None:
     """Follow a job to its end with a progress bar (step / total, loss, ETA) and its state changes."""
     with _calling(server, token) as c:
@@ -313,7 +371,8 @@ def watch(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None) 
                     if e.to_state:
                         progress.console.print(f"{e.at:%H:%M:%S} {e.from_state or '·'} → {e.to_state} ({e.reason})")
                 loss = f"loss {job.loss:.4f}" if job.loss is not None else ""
-                progress.update(task, completed=job.step or 0, state=job.state, loss=loss)
+                total = total or (job.latest_metrics or {}).get("total_steps")
+                progress.update(task, total=total, completed=job.step or 0, state=_queued_text(job), loss=loss)
                 if job.state in TERMINAL:
                     break
                 time.sleep(0.5)

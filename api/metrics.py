@@ -77,7 +77,8 @@ def attach(registry: CollectorRegistry, runtime: Runtime) -> DatabaseCollector:
     },
 )
 def metrics(request: Request, _: Annotated[Caller, Depends(get_caller)]) -> Response:
-    """Prometheus metrics: jobs by state and queue, queue wait, admissions, retries, tick and request latency.
+    """Prometheus metrics: jobs by state and queue, queue wait, admissions, retries, CPU/GPU seconds by owner and
+    queue, tick and request latency.
 
     With API tokens configured, scrape with any valid token (Prometheus `authorization: {credentials: ...}`).
     """

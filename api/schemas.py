@@ -5,17 +5,23 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Out(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
 
+class Position(BaseModel):
+    queue: int = Field(description="1 = next to be admitted in its queue")
+    overall: int = Field(description="1 = next to be admitted overall")
+
+
 class JobPublic(_Out):
     id: str
     name: str
     owner: str
+    team: str | None = None
     queue: str
     priority: int
     state: str
@@ -34,6 +40,10 @@ class JobPublic(_Out):
     progress_at: datetime | None = None
     ray_submission_id: str | None = None
     ray_dashboard_url: str | None = None
+    # Queued jobs (GET /v1/jobs/{id}): the place admission would give it now and when it is expected to start
+    # (None: not known, e.g. a job ahead of it has no timeout_seconds); state_reason says why it waits.
+    position: Position | None = None
+    estimated_start: datetime | None = None
     # What the user should know that did not stop the job, e.g. a strategy asked for that the train loop never applied.
     warnings: list[str] = []
     spec: dict[str, Any]
@@ -171,3 +181,37 @@ STREAM_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         "headers": _RETRY_AFTER,
     },
 }
+
+
+class UsageTotals(_Out):
+    cpu_hours: float
+    gpu_hours: float
+    attempts: int = Field(description="attempts that held resources in the window")
+
+
+class UsageRow(UsageTotals):
+    owner: str
+    team: str | None = None
+    queue: str
+
+
+class QueueWaitPublic(_Out):
+    """Seconds from submission to the first attempt's start: nearest-rank percentiles, None without jobs."""
+
+    jobs: int
+    p50: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+
+
+class UsagePublic(_Out):
+    """`GET /v1/usage`: resources held by attempts in `[since, until)` (running ones up to now), by owner, team and
+    queue; the jobs that ended in the window; how long the jobs whose first attempt started in it waited."""
+
+    since: datetime
+    until: datetime
+    rows: list[UsageRow]
+    totals: UsageTotals
+    jobs_ended: dict[str, int] = Field(description="jobs that finished in the window, by end state")
+    end_reasons: dict[str, int] = Field(description="the same jobs, by end reason")
+    queue_wait: QueueWaitPublic

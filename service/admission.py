@@ -14,7 +14,7 @@ from sqlalchemy import update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from service import leases, queues, resources, scheduler
+from service import fairshare, leases, queues, resources, scheduler, standing
 from service.backend import ClusterView, submission_id
 from service.db import session_scope
 from service.models import ACTIVE_STATES, Attempt, EndReason, EventKind, Job, JobState, utcnow
@@ -33,11 +33,12 @@ def admit(
     owner: str,
     spec_of: SpecOf,
     resources_of: Callable[[Job], dict[str, float]],
+    now: datetime | None = None,
 ) -> tuple[list[Job], list[Job]]:
     """Start every queued job whose whole worker group fits, in priority/FIFO order, within queue limits; returns
     (the jobs admitted, the running jobs now asked to yield). A queued job whose stored spec does not validate ends
-    FAILED (user error) here instead of holding up the queue."""
-    now = utcnow()
+    FAILED (user error) here instead of holding up the queue. `now`: the pass's time (default: the clock's)."""
+    now = now or utcnow()
     started: list[Job] = []
     victims: list[Job] = []
     # Under the admission lock every round trip is paid by every dispatcher: without autoflush the loop's event and
@@ -45,7 +46,9 @@ def admit(
     with session_scope(engine) as session, session.no_autoflush:
         leases.lock_admission(session)
         waiting: list[tuple[Job, JobSpec]] = []
-        for job in leases.queued(session, now=now, limit=settings.admit_batch):
+        fair = settings.fair_share_config()
+        heads = leases.queued_heads if fair.enabled else leases.queued
+        for job in heads(session, now=now, limit=settings.admit_batch):
             spec, error = spec_of(job)
             if spec is None:
                 values = {"end_reason": EndReason.USER_ERROR, "last_error": error}
@@ -64,18 +67,26 @@ def admit(
             if job.state == JobState.STARTING:
                 resources.take_spread([n.free for n in nodes], resources_of(job))
         candidates = [_candidate(job, spec) for job, spec in waiting]
-        limits = queues.limits(session, settings)
+        limits, rules = queues.limits(session, settings), settings.quota_rules()
+        held = standing.held(admitted, resources_of)
+        usage = standing.fair_usage(session, fair, now)
+        ordered = fairshare.fair_order(candidates, usage, fair, [(j.owner, j.team, resources_of(j)) for j in admitted])
         decision = scheduler.plan(
             candidates,
             nodes,
             limits=limits,
-            usage=queues.usage_of(admitted, resources_of),
+            held=held,
+            rules=rules,
+            gpu_hours=standing.gpu_hours(session, rules, limits, now),
+            ordered=ordered,
             now=now.timestamp(),
             reserve_after_seconds=settings.reserve_after_seconds,
         )
         by_id = {job.id: job for job, _ in waiting}
         for job_id in decision.admit:
-            started.append(_start_attempt(session, by_id[job_id], owner=owner, now=now, settings=settings))
+            job = by_id[job_id]
+            started.append(_start_attempt(session, job, owner=owner, now=now, settings=settings,
+                                          held=resources_of(job)))  # fmt: skip
         for job_id, why in decision.waiting.items():
             if by_id[job_id].state_reason != why:
                 leases.set_reason(session, job_id, why)
@@ -84,26 +95,35 @@ def admit(
                               yielding=j.preempt_requested_at is not None, queue=j.queue)
             for j in active
         ]  # fmt: skip
-        chosen = scheduler.preemption(decision, candidates, running, dict(cluster.available), limits=limits)
-        if chosen is not None:
-            blocked, victim_ids = chosen
-            by_active = {j.id: j for j in active}
+        free = dict(cluster.available)
+        served = scheduler.reclaim(decision, ordered, running, free, limits=limits, held=held)
+        why = "to take back the quota its queue lent"
+        if not served:
+            chosen = scheduler.preemption(decision, candidates, running, free, limits=limits)
+            served = [chosen] if chosen is not None else []
+            why = ""
+        by_active = {j.id: j for j in active}
+        for blocked, victim_ids in served:
             for victim_id in victim_ids:
                 victim = by_active[victim_id]
                 session.execute(update(Job).where(col(Job.id) == victim_id).values(preempt_requested_at=now))
                 record_event(session, victim_id, kind=EventKind.PREEMPTION, reason="preemption_requested",
                              attempt=victim.attempt, actor=owner,
-                             message=f"making room for {blocked.job_id} (priority {blocked.priority})")  # fmt: skip
+                             message=f"making room for {blocked.job_id} "
+                                     f"({why or f'priority {blocked.priority}'})")  # fmt: skip
                 victims.append(victim)
     return started, victims
 
 
-def _start_attempt(session: Session, job: Job, *, owner: str, now: datetime, settings: Settings) -> Job:
+def _start_attempt(
+    session: Session, job: Job, *, owner: str, now: datetime, settings: Settings, held: dict[str, float]
+) -> Job:
     number = job.attempt + 1
     values: dict[str, Any] = {"attempt": number, "step": None, "latest_metrics": None, "progress_at": None}
     values.update(leases.lease_values(owner, now, settings.lease_seconds))
     transition(session, job, to=JobState.STARTING, reason="admitted", actor=owner, values=values, now=now)
-    session.add(Attempt(job_id=job.id, number=number, submission_id=submission_id(job.id, number), started_at=now))
+    session.add(Attempt(job_id=job.id, number=number, submission_id=submission_id(job.id, number), started_at=now,
+                        cpus=held.get("CPU", 0.0), gpus=held.get("GPU", 0.0)))  # fmt: skip
     return job
 
 
@@ -113,6 +133,8 @@ def _candidate(job: Job, spec: JobSpec) -> scheduler.Candidate:
         priority=job.priority,
         seq=job.created_at.timestamp(),
         queue=job.queue,
+        owner=job.owner,
+        team=job.team,
         num_workers=spec.resources.num_workers,
         per_worker=spec.resources.per_worker(),
         placement=spec.resources.placement.value,

@@ -37,8 +37,9 @@ def spec_hash(spec: JobSpec) -> str:
 
 
 def check_fits_cluster(spec: JobSpec, snapshot: ClusterSnapshot | None) -> None:
-    """Refuse what the cluster (as last seen by a dispatcher) can never run. No snapshot yet: nothing to check."""
-    if snapshot is None or not snapshot.nodes:
+    """Refuse what the cluster (as last seen by a dispatcher) can never run. No snapshot yet, or no live node that has
+    reported its resources (a head just started lists its node before its resources): nothing to check."""
+    if snapshot is None or not any(n.get("alive", True) and n.get("total") for n in snapshot.nodes):
         return
     res = spec.resources
     if res.use_gpu and snapshot.total.get("GPU", 0.0) <= 0:
@@ -47,7 +48,7 @@ def check_fits_cluster(spec: JobSpec, snapshot: ClusterSnapshot | None) -> None:
             field="resources.use_gpu",
         )
     per_worker = res.per_worker()
-    nodes = [n for n in snapshot.nodes if n.get("alive", True)]
+    nodes = [n for n in snapshot.nodes if n.get("alive", True) and n.get("total")]
     if not any(resources.fits(n["total"], per_worker) for n in nodes):
         largest = {k: max(n["total"].get(k, 0.0) for n in nodes) for k in per_worker}
         raise InvalidSpec(
@@ -120,6 +121,7 @@ def submit(
     job = Job(
         name=spec.name,
         owner=caller.owner,
+        team=caller.team,
         queue=spec.queue,
         priority=spec.priority,
         spec=spec.model_dump(mode="json"),

@@ -54,6 +54,27 @@ def queued(session: Session, *, now: datetime, limit: int = 500) -> list[Job]:
     return list(session.exec(query).all())
 
 
+def queued_heads(session: Session, *, now: datetime, limit: int = 500) -> list[Job]:
+    """The first queued jobs of every owner (priority, then FIFO), past any retry backoff: what fair share orders.
+    Each owner gives `limit / owners` (at least 4), so one owner's thousand jobs never hide another's first."""
+    ready = (Job.state == JobState.QUEUED, or_(col(Job.not_before).is_(None), col(Job.not_before) <= now))
+    owners = session.exec(select(Job.owner).where(*ready).group_by(col(Job.owner))).all()
+    if len(owners) <= 1:
+        return queued(session, now=now, limit=limit)
+    each = max(4, limit // len(owners))
+    out: list[Job] = []
+    for owner in owners:
+        query = (
+            select(Job)
+            .where(*ready, Job.owner == owner)
+            .order_by(col(Job.priority).desc(), col(Job.created_at), col(Job.id))
+            .limit(each)
+            .with_for_update(skip_locked=True)
+        )
+        out.extend(session.exec(query).all())
+    return out
+
+
 def set_reason(session: Session, job_id: str, reason: str) -> None:
     """Why a queued job waits (not a state change: no event)."""
     session.execute(

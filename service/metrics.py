@@ -16,7 +16,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import aliased
 from sqlmodel import Session, col, select
 
-from service.models import ClusterSnapshot, Job, JobEvent, JobState
+from service import usage
+from service.models import ClusterSnapshot, Job, JobEvent, JobState, utcnow
 
 QUEUE_WAIT_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
 TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -41,11 +42,13 @@ class InProcess(Collector):
 
 
 class DatabaseCollector(Collector):
-    """Jobs by state and queue, admissions, retries by reason, queue wait: read from SQL at each scrape."""
+    """Jobs by state and queue, admissions, retries by reason, queue wait, resource-seconds: read from SQL at each
+    scrape."""
 
     def __init__(self, engine: Engine, *, last_tick: Callable[[], float | None] | None = None) -> None:
         self.engine = engine
         self.last_tick = last_tick
+        self._resource_high_water: dict[tuple[str, str, str], float] = {}
 
     def collect(self) -> Iterator[Metric]:
         with Session(self.engine) as session:
@@ -53,6 +56,7 @@ class DatabaseCollector(Collector):
             yield _admissions(session)
             yield _retries(session)
             yield _queue_wait(session)
+            yield self._resource_seconds(session)
             yield from _cluster(session)
         if self.last_tick is not None:
             seconds = self.last_tick()
@@ -62,6 +66,22 @@ class DatabaseCollector(Collector):
                 )
                 g.add_metric([], seconds)
                 yield g
+
+    def _resource_seconds(self, session: Session) -> Metric:
+        """CPU and GPU seconds held by attempts, by owner and queue; a running attempt's count up to this scrape."""
+        c = CounterMetricFamily(
+            "shunter_resource_seconds", "CPU and GPU seconds held by attempts (running ones up to now)",
+            labels=["owner", "queue", "resource"],
+        )  # fmt: skip
+        for (owner, queue), held in sorted(usage.resource_seconds(session, now=utcnow()).items()):
+            for resource, seconds in zip(("cpu", "gpu"), held, strict=True):
+                labels = (owner, queue, resource)
+                # An attempt's recorded end can fall a little before a scrape that already counted it up to `now`:
+                # never report less than before, or Prometheus reads the dip as a counter reset.
+                value = max(seconds, self._resource_high_water.get(labels, 0.0))
+                self._resource_high_water[labels] = value
+                c.add_metric(list(labels), value)
+        return c
 
 
 def _jobs_by_state(session: Session) -> Metric:

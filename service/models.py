@@ -11,9 +11,12 @@ from sqlalchemy import JSON, Column, DateTime, Index, Text, text
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
+from service import clock
+
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    """The service's time (aware UTC): the wall clock, or a simulation's virtual one (`service.clock`)."""
+    return clock.now()
 
 
 def new_job_id() -> str:
@@ -109,17 +112,21 @@ class Job(SQLModel, table=True):
         # Admission order: priority DESC, then FIFO; the index matches the ORDER BY so no pass sorts the queue.
         Index("ix_jobs_admission_order", "state", text("priority DESC"), "created_at", "id"),
         Index("ix_jobs_state_queue_created", "state", "queue", "created_at", "id"),
+        # Fair share reads each owner's first queued jobs (service.leases.queued_heads).
+        Index("ix_jobs_owner_admission_order", "state", "owner", text("priority DESC"), "created_at", "id"),
         Index("ix_jobs_name_created", "name", "created_at", "id"),
         # Listings: ORDER BY created_at DESC, id DESC (the cursor's order), for everyone and per owner.
         Index("ix_jobs_created_id", "created_at", "id"),
         Index("ix_jobs_owner_created_id", "owner", "created_at", "id"),
         Index("ix_jobs_lease", "state", "lease_expires_at"),
+        Index("ix_jobs_finished", "finished_at"),  # usage: jobs ended in a window
         Index("ux_jobs_idempotency", "owner", "idempotency_key", unique=True),
     )
 
     id: str = Field(default_factory=new_job_id, primary_key=True, max_length=32)
     name: str = Field(max_length=128)
     owner: str = Field(default="anonymous", max_length=128, index=True)
+    team: str | None = Field(default=None, max_length=128)  # the submitting token's team (fair share, quotas, usage)
     queue: str = Field(default="default", max_length=64, index=True)
     priority: int = 0
     state: JobState = Field(default=JobState.QUEUED, max_length=16)
@@ -156,7 +163,10 @@ class Job(SQLModel, table=True):
 
 class Attempt(SQLModel, table=True):
     __tablename__ = "attempts"
-    __table_args__ = (Index("ux_attempts_job_number", "job_id", "number", unique=True),)
+    __table_args__ = (
+        Index("ux_attempts_job_number", "job_id", "number", unique=True),
+        Index("ix_attempts_ended", "ended_at"),  # fair share and usage read attempts running or ended lately
+    )
 
     id: int | None = Field(default=None, primary_key=True)
     job_id: str = Field(foreign_key="jobs.id", max_length=32)
@@ -169,6 +179,9 @@ class Attempt(SQLModel, table=True):
     end_reason: EndReason | None = Field(default=None, max_length=32)
     message: str | None = Field(default=None, sa_column=Column(Text))
     log_uri: str | None = Field(default=None, sa_column=Column(Text))
+    # What the attempt's worker group held from started_at to ended_at (fair share and usage accounting).
+    cpus: float = Field(default=0.0, sa_column_kwargs={"server_default": "0"})
+    gpus: float = Field(default=0.0, sa_column_kwargs={"server_default": "0"})
 
 
 class JobEvent(SQLModel, table=True):
@@ -240,6 +253,11 @@ class QueueConfig(SQLModel, table=True):
     max_cpus: float | None = None
     max_gpus: float | None = None
     preemption: bool = False
+    # Per owner / per team within this queue: {"max_running", "max_cpus", "max_gpus", "max_gpu_hours", "window_hours"}
+    owner_quota: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    team_quota: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    cohort: str | None = Field(default=None, max_length=64)  # queues of one cohort lend each other idle quota
+    borrowing_limit: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))  # {"cpus", "gpus"} at most
     updated_at: datetime = Field(default_factory=utcnow, sa_column=_tz())
 
 

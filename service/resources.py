@@ -37,6 +37,12 @@ def take(free: dict[str, float], need: Mapping[str, float]) -> None:
         free[key] = free.get(key, 0.0) - value
 
 
+def give(free: dict[str, float], amount: Mapping[str, float]) -> None:
+    """Give `amount` back to `free` in place (what a stopped job frees)."""
+    for key, value in amount.items():
+        free[key] = free.get(key, 0.0) + value
+
+
 def take_spread(frees: list[dict[str, float]], need: Mapping[str, float]) -> None:
     """Take `need` off several nodes' room, roomiest first: for work admitted but not yet placed, where Ray will put
     it is unknown."""

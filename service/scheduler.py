@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from service import resources
+from service import quotas, resources
+from service.quotas import Held, QueueLimit, QueueUsage, Quotas, Scope
+
+__all__ = ["Candidate", "Held", "NodeFree", "Plan", "QueueLimit", "QueueUsage", "Running", "plan", "preemption"]
 
 WAITING_FOR_ROOM = "waiting for room"  # the start of the reason preemption looks for
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """A queued job as the policy sees it: its worker group and its place in the order."""
+    """A queued job as the policy sees it: its worker group, its place in the order, who it counts against."""
 
     job_id: str
     priority: int
@@ -20,31 +23,11 @@ class Candidate:
     per_worker: dict[str, float]
     placement: str = "pack"  # pack | spread | strict_pack | strict_spread
     queue: str = "default"
+    owner: str = "anonymous"
+    team: str | None = None
 
     def total(self) -> dict[str, float]:
         return resources.scaled(self.per_worker, self.num_workers)
-
-
-@dataclass(frozen=True)
-class QueueLimit:
-    """Caps on what one named queue may run at once (None: no cap)."""
-
-    max_running: int | None = None
-    max_cpus: float | None = None
-    max_gpus: float | None = None
-    preemption: bool = False  # may its jobs preempt lower-priority running jobs?
-
-
-@dataclass
-class QueueUsage:
-    running: int = 0
-    cpus: float = 0.0
-    gpus: float = 0.0
-
-    def add(self, total: dict[str, float]) -> None:
-        self.running += 1
-        self.cpus += total.get("CPU", 0.0)
-        self.gpus += total.get("GPU", 0.0)
 
 
 @dataclass
@@ -91,22 +74,8 @@ def place(candidate: Candidate, nodes: list[NodeFree]) -> list[str] | None:
 
 
 def order(candidates: list[Candidate]) -> list[Candidate]:
-    """Higher priority first, FIFO within a priority."""
+    """Higher priority first, FIFO within a priority (fair share off)."""
     return sorted(candidates, key=lambda c: (-c.priority, c.seq, c.job_id))
-
-
-def over_limit(cand: Candidate, limit: QueueLimit | None, usage: QueueUsage) -> str | None:
-    """Why `cand` would break its queue's limits, or None."""
-    if limit is None:
-        return None
-    total = cand.total()
-    if limit.max_running is not None and usage.running + 1 > limit.max_running:
-        return f"queue '{cand.queue}' is at its limit of {limit.max_running} running jobs"
-    if limit.max_cpus is not None and usage.cpus + total.get("CPU", 0.0) > limit.max_cpus + 1e-9:
-        return f"queue '{cand.queue}' would exceed its {limit.max_cpus:g} CPUs ({usage.cpus:g} in use)"
-    if limit.max_gpus is not None and usage.gpus + total.get("GPU", 0.0) > limit.max_gpus + 1e-9:
-        return f"queue '{cand.queue}' would exceed its {limit.max_gpus:g} GPUs ({usage.gpus:g} in use)"
-    return None
 
 
 def plan(
@@ -115,27 +84,38 @@ def plan(
     *,
     limits: dict[str, QueueLimit] | None = None,
     usage: dict[str, QueueUsage] | None = None,
+    held: dict[Scope, Held] | None = None,
+    rules: Quotas | None = None,
+    gpu_hours: dict[Scope, float] | None = None,
+    ordered: list[Candidate] | None = None,
     now: float = 0.0,
     reserve_after_seconds: float | None = None,
     backfill: bool = True,
 ) -> Plan:
     """The job ids to admit now, in order, each with room for its whole worker group; and why the rest wait.
 
-    Higher priority first, FIFO within a priority. With backfill a later job may start in room an earlier one cannot
-    use yet, until that earlier one has waited `reserve_after_seconds`: from then on nothing behind it starts, so the
-    room it needs is kept for it as running jobs end (bounded wait instead of starvation).
+    `ordered`: the candidates in admission order (`service.fairshare.fair_order`); default: higher priority first,
+    FIFO within a priority. `rules`: per-owner/per-team quotas. Every limit (`service.quotas.check`) counts what
+    admitted jobs hold (`held` by scope, or per queue as `usage`) plus what this pass admits. With backfill a later
+    job may start in room an earlier one cannot use yet, until that earlier one has waited `reserve_after_seconds`:
+    from then on nothing behind it starts, so the room it needs is kept for it as running jobs end (bounded wait
+    instead of starvation).
     """
     limits = limits or {}
-    usage = {k: QueueUsage(v.running, v.cpus, v.gpus) for k, v in (usage or {}).items()}
+    rules = rules or Quotas()
+    scoped = _copied(held or {})
+    for queue, used in (usage or {}).items():
+        scoped[("queue", queue)] = Held(used.running, used.cpus, used.gpus)
     free_nodes = [NodeFree(n.node_id, dict(n.free)) for n in nodes]
     result = Plan()
     holder: Candidate | None = None
-    for cand in order(candidates):
+    for cand in ordered if ordered is not None else order(candidates):
         if holder is not None:
             result.waiting[cand.job_id] = f"held behind {holder.job_id}, which has waited longest for room"
             continue
-        q_usage = usage.setdefault(cand.queue, QueueUsage())
-        reason = over_limit(cand, limits.get(cand.queue), q_usage)
+        total = cand.total()
+        reason = quotas.check(total, cand.queue, cand.owner, cand.team, limits=limits, quotas=rules, held=scoped,
+                              gpu_hours=gpu_hours)  # fmt: skip
         if reason:
             result.waiting[cand.job_id] = reason
             continue
@@ -149,7 +129,7 @@ def plan(
         by_id = {n.node_id: n for n in free_nodes}
         for node_id in placed:
             resources.take(by_id[node_id].free, cand.per_worker)
-        q_usage.add(cand.total())
+        quotas.count(scoped, total, cand.queue, cand.owner, cand.team)
         result.admit.append(cand.job_id)
     return result
 
@@ -196,8 +176,77 @@ def preemption(
         if resources.fits(room, need):
             break
         victims.append(job.job_id)
-        for key, value in job.total.items():
-            room[key] = room.get(key, 0.0) + value
+        resources.give(room, job.total)
     if not victims or not resources.fits(room, need):
         return None
     return blocked, victims
+
+
+def reclaim(
+    result: Plan, ordered: list[Candidate], running: list[Running], free: dict[str, float],
+    *, limits: dict[str, QueueLimit], held: dict[Scope, Held],
+) -> list[tuple[Candidate, list[str]]]:  # fmt: skip
+    """Lenders take back their lent quota, all at once: each queued job (in admission order) of a cohort queue that
+    waits (for room, or for its cohort's idle quota) although its queue, with the lenders' jobs served before it,
+    would stay within its nominal quota, gets jobs of the cohort's other queues stopped, newest first, each only
+    while its queue holds more than its nominal quota (it is borrowing), until the freed room and the cohort's idle
+    quota hold the job. Returns each served job with its victims. Stops at the first lender that cannot be served
+    (a later, smaller one does not overtake it). Priority does not count: borrowed quota is lent, not owned.
+
+    One pass serves every lender job it can, so that the quota comes back in one preemption cycle, not one cycle
+    per waiting job; while an earlier preemption is in flight, nothing (like `preemption`)."""
+    if any(r.yielding for r in running):
+        return []
+    scoped = _copied(held)
+    room = dict(free)
+    taken: set[str] = set()
+    out: list[tuple[Candidate, list[str]]] = []
+    for cand in ordered:
+        why = result.waiting.get(cand.job_id, "")
+        limit = limits.get(cand.queue)
+        if limit is None or limit.cohort is None or not why.startswith(WAITING_FOR_ROOM):
+            continue
+        need, mine = cand.total(), scoped.get(("queue", cand.queue), Held())
+        capped = [r for r, _, _ in quotas.RESOURCES if limit.nominal(r) is not None and need.get(r, 0.0) > 0]
+        if not capped or any(mine.of(r) + need.get(r, 0.0) > (limit.nominal(r) or 0.0) + 1e-9 for r in capped):
+            continue  # not a lender asking back its own quota
+        trial = _copied(scoped)
+        space, victims = dict(room), []
+        members = [
+            r for r in running
+            if r.queue != cand.queue and r.job_id not in taken
+            and limits.get(r.queue, QueueLimit()).cohort == limit.cohort
+        ]  # fmt: skip
+        for job in sorted(members, key=lambda r: -r.seq):
+            if _fits_cohort(space, need, cand.queue, limits, trial, capped):
+                break
+            if not any(quotas.borrowed(job.queue, r, limits, trial) > 1e-9 for r in capped):
+                continue
+            victims.append(job.job_id)
+            trial.setdefault(("queue", job.queue), Held()).add(job.total, -1)
+            resources.give(space, job.total)
+        if not (victims and _fits_cohort(space, need, cand.queue, limits, trial, capped)):
+            break  # the first lender that cannot be served now holds the rest back
+        # Served: its victims go, and it counts as admitted (room and quota) for the lenders after it.
+        taken.update(victims)
+        trial.setdefault(("queue", cand.queue), Held()).add(need, 1)
+        resources.take(space, need)
+        scoped, room = trial, space
+        out.append((cand, victims))
+    return out
+
+
+def _copied(held: dict[Scope, Held]) -> dict[Scope, Held]:
+    """A copy the caller may count into without changing `held`."""
+    return {k: Held(v.running, v.cpus, v.gpus) for k, v in held.items()}
+
+
+def _fits_cohort(
+    room: dict[str, float], need: dict[str, float], queue: str, limits: dict[str, QueueLimit],
+    held: dict[Scope, Held], capped: list[str],
+) -> bool:  # fmt: skip
+    cohort = limits[queue].cohort or ""
+    for resource in capped:
+        if need.get(resource, 0.0) > quotas.cohort_idle(cohort, resource, limits, held) + 1e-9:
+            return False
+    return resources.fits(room, need)

@@ -13,6 +13,8 @@ from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.auth import TokenInfo
+from service.fairshare import FairShare
+from service.quotas import Quotas, parse_queue_limit
 from service.spec import MAX_SPEC_DEPTH, QUEUE_NAME
 
 
@@ -40,6 +42,12 @@ class Settings(BaseSettings):
     job_env: dict[str, str] = Field(default_factory=dict)
     # Named queues and their limits, e.g. {"research": {"max_running": 2, "max_gpus": 8, "preemption": true}}.
     queues: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    # Per-owner and per-team quotas, cluster-wide: {"owner": {"*": {"max_running": 4, "max_gpus": 8}, "alice": {...}},
+    # "team": {"ml": {"max_gpu_hours": 500, "window_hours": 168}}} (see service/quotas.py).
+    quotas: dict[str, Any] = Field(default_factory=dict)
+    # Fair share among waiting jobs of equal priority (see service/fairshare.py): {"half_life_hours": 24,
+    # "resource_weights": {"CPU": 1, "GPU": 10}, "team_weights": {...}, "owner_weights": {...}, "enabled": true}.
+    fair_share: dict[str, Any] = Field(default_factory=dict)
     # A queued job blocked this long stops backfill behind it, so smaller jobs cannot starve it.
     reserve_after_seconds: float = Field(300.0, ge=0)
     # With an autoscaler, a job too big for today's cluster is held with a reason instead of refused.
@@ -82,7 +90,7 @@ class Settings(BaseSettings):
     # How often the Ray Train controller polls workers: each ray.train.report() waits for that poll.
     train_poll_seconds: float = Field(0.25, gt=0)
 
-    @field_validator("job_env", "queues", "api_tokens", mode="before")
+    @field_validator("job_env", "queues", "api_tokens", "quotas", "fair_share", mode="before")
     @classmethod
     def _json_mappings(cls, value: Any, info: ValidationInfo) -> Any:
         """These settings are JSON objects in the environment; an empty value means none."""
@@ -105,7 +113,26 @@ class Settings(BaseSettings):
         for name in value:
             if not QUEUE_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not a queue name (lowercase letters, digits, '_' or '-')")
+            parse_queue_limit(value[name], f"queues.{name}")
         return value
+
+    @field_validator("quotas")
+    @classmethod
+    def _quotas(cls, value: dict[str, Any]) -> dict[str, Any]:
+        Quotas.parse(value)  # a mistake stops start-up with the key named, not admission later
+        return value
+
+    @field_validator("fair_share")
+    @classmethod
+    def _fair_share(cls, value: dict[str, Any]) -> dict[str, Any]:
+        FairShare.parse(value)
+        return value
+
+    def quota_rules(self) -> Quotas:
+        return Quotas.parse(self.quotas)
+
+    def fair_share_config(self) -> FairShare:
+        return FairShare.parse(self.fair_share)
 
     def resolved_dispatcher_id(self, *, stable: bool = False) -> str:
         if self.dispatcher_id:

@@ -41,10 +41,11 @@ from api.schemas import (
     JobList,
     JobPublic,
     MetricPoint,
+    Position,
 )
 from api.sse import SSE_RESPONSE, event_stream, pause
 from api.streams import DB_UNAVAILABLE, is_database_outage, open_stream, state_of
-from service import jobs
+from service import estimate, jobs
 from service.backend import submission_id
 from service.errors import InfraError, InvalidSpec, NotFound
 from service.host_files import HostFiles
@@ -129,8 +130,18 @@ def list_jobs(
 
 
 @router.get("/{job_id}", response_model=JobPublic)
-def get_job(job_id: JobId, session: SessionDep, caller: CallerDep) -> JobPublic:
-    return to_public(jobs.get(session, job_id, caller=caller), session)
+def get_job(job_id: JobId, session: SessionDep, settings: SettingsDep, caller: CallerDep) -> JobPublic:
+    """The job; a queued one also says where it stands (`position`, `estimated_start`; see service/estimate.py)."""
+    job = jobs.get(session, job_id, caller=caller)
+    public = to_public(job, session)
+    if job.state == JobState.QUEUED:
+        standing = estimate.estimates(session, settings, job_id=job.id).get(job.id)
+        if standing is not None:
+            public = public.model_copy(update={
+                "position": Position(queue=standing.queue_position, overall=standing.position),
+                "estimated_start": standing.start,
+            })  # fmt: skip
+    return public
 
 
 @router.post("/{job_id}/cancel", status_code=status.HTTP_202_ACCEPTED, response_model=Accepted)

@@ -12,7 +12,26 @@ from api.schemas import ERROR_RESPONSES
 from service import queues
 from service.errors import Forbidden
 from service.numbers import NoBoolNumbers
-from service.scheduler import QueueLimit
+from service.quotas import QueueLimit, Quota
+
+
+class QuotaBody(NoBoolNumbers):
+    """Caps for each owner (or team) within the queue; null: no cap."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_running: int | None = Field(None, ge=0, le=1_000_000)
+    max_cpus: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False)
+    max_gpus: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False)
+    max_gpu_hours: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False)
+    window_hours: float = Field(168.0, gt=0, le=24 * 366, allow_inf_nan=False)
+
+
+class BorrowingLimit(NoBoolNumbers):
+    model_config = ConfigDict(extra="forbid")
+
+    cpus: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False)
+    gpus: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False)
 
 
 class QueueLimits(NoBoolNumbers):
@@ -20,9 +39,32 @@ class QueueLimits(NoBoolNumbers):
 
     # Bounded so every value fits the database's columns (a 64-bit count answered 500 on SQLite).
     max_running: int | None = Field(None, ge=0, le=1_000_000, description="jobs admitted at once")
-    max_cpus: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False)
-    max_gpus: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False)
+    max_cpus: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False, description="nominal CPU quota")
+    max_gpus: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False, description="nominal GPU quota")
     preemption: StrictBool = Field(False, description="may its jobs preempt lower-priority running jobs")
+    owner_quota: QuotaBody | None = Field(None, description="caps for each owner within this queue")
+    team_quota: QuotaBody | None = Field(None, description="caps for each team within this queue")
+    cohort: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$", description="lends/borrows idle quota")
+    borrowing_limit: BorrowingLimit | None = Field(None, description="most it may borrow from its cohort")
+
+    def to_limit(self) -> QueueLimit:
+        values = self.model_dump()
+        for key in ("owner_quota", "team_quota"):
+            values[key] = Quota(**values[key]) if values[key] else None
+        values["borrowing_limit"] = {k: v for k, v in (values["borrowing_limit"] or {}).items() if v is not None}
+        return QueueLimit(**values)
+
+
+class OwnerShare(BaseModel):
+    owner: str
+    team: str | None
+    running: int
+    queued: int
+    cpus_in_use: float
+    gpus_in_use: float
+    usage: float = Field(description="decayed weighted resource-seconds, cluster-wide (fair share)")
+    share: float = Field(description="this owner's part of all owners' usage, 0..1")
+    weight: float
 
 
 class QueuePublic(BaseModel):
@@ -32,6 +74,7 @@ class QueuePublic(BaseModel):
     queued: int
     cpus_in_use: float
     gpus_in_use: float
+    owners: list[OwnerShare] = Field(default_factory=list, description="who runs or waits here, with fair share")
 
 
 router = APIRouter(prefix="/v1/queues", tags=["queues"], responses=ERROR_RESPONSES)
@@ -41,11 +84,7 @@ QueueName = Annotated[str, Path(pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$")]
 @router.get("", response_model=list[QueuePublic])
 def list_queues(session: SessionDep, settings: SettingsDep, caller: CallerDep) -> list[QueuePublic]:
     """Every queue: its limits, running and queued jobs, resources in use."""
-    return [
-        QueuePublic(name=v.name, limits=QueueLimits(**v.limits), running=v.running, queued=v.queued,
-                    cpus_in_use=v.cpus_in_use, gpus_in_use=v.gpus_in_use)
-        for v in queues.overview(session, settings)
-    ]  # fmt: skip
+    return [_public(v) for v in queues.overview(session, settings)]
 
 
 @router.put("/{name}", response_model=QueuePublic)
@@ -55,8 +94,12 @@ def put_queue(
     """Create a queue or change its limits (admins only when tokens are configured)."""
     if not caller.admin:
         raise Forbidden("only an admin may change queues")
-    queues.put(session, name, QueueLimit(**limits.model_dump()))
+    queues.put(session, name, limits.to_limit())
     session.commit()
-    view = next(v for v in queues.overview(session, settings) if v.name == name)
+    return _public(next(v for v in queues.overview(session, settings) if v.name == name))
+
+
+def _public(view: queues.QueueView) -> QueuePublic:
     return QueuePublic(name=view.name, limits=QueueLimits(**view.limits), running=view.running, queued=view.queued,
-                       cpus_in_use=view.cpus_in_use, gpus_in_use=view.gpus_in_use)  # fmt: skip
+                       cpus_in_use=view.cpus_in_use, gpus_in_use=view.gpus_in_use,
+                       owners=[OwnerShare(**o) for o in view.owners])  # fmt: skip

@@ -122,6 +122,16 @@ ENTRYPOINTS = [
     {"recipe": "gpt"},
     {"callable": None, "script": None, "recipe": None},
     {"callable": "a:b", "extra": 1},
+    {"script": "train.py", "outputs": ["out", "runs/a", ".cache"], "resume_arg": "--resume_from_checkpoint"},
+    {"script": "train.py", "outputs": ["../up"]},
+    {"script": "train.py", "outputs": ["/abs"]},
+    {"script": "train.py", "outputs": ["a/./b"]},
+    {"script": "train.py", "outputs": ["out", "out"]},
+    {"script": "train.py", "outputs": [""]},
+    {"script": "train.py", "resume_arg": "; rm -rf /"},
+    {"script": "train.py", "resume_arg": "-r"},
+    {"callable": "a:b", "outputs": ["out"]},
+    {"recipe": "causal-lm", "resume_arg": "--resume"},
 ]
 
 

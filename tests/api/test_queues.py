@@ -13,7 +13,9 @@ def test_queues_listed_created_and_enforced_at_submit(app_client) -> None:
     assert refused.status_code == 422 and refused.json()["field"] == "queue"
     put = c.put("/v1/queues/research", json={"max_running": 1, "max_gpus": 8, "preemption": True})
     assert put.status_code == 200, put.text
-    assert put.json()["limits"] == {"max_running": 1, "max_cpus": None, "max_gpus": 8.0, "preemption": True}
+    assert put.json()["limits"] == {"max_running": 1, "max_cpus": None, "max_gpus": 8.0, "preemption": True,
+                                    "owner_quota": None, "team_quota": None, "cohort": None,
+                                    "borrowing_limit": None}  # fmt: skip
     assert c.post("/v1/jobs", json={**GOOD, "queue": "research"}).status_code == 201
     research = next(q for q in c.get("/v1/queues").json() if q["name"] == "research")
     assert research["queued"] == 1 and research["running"] == 0

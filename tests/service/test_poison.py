@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import text, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
@@ -258,6 +258,15 @@ def test_a_write_the_database_refuses_ends_that_job_after_patience_not_never(tmp
         engine = make_engine(url)
         try:
             upgrade(engine, "c4d2e8a17f30")  # the schema of the release before the enum value was migrated
+            with engine.begin() as conn:  # with the columns later releases added (the enum value stays missing)
+                for statement in (
+                    "ALTER TABLE jobs ADD COLUMN team VARCHAR(128)",
+                    "ALTER TABLE attempts ADD COLUMN cpus FLOAT NOT NULL DEFAULT 0",
+                    "ALTER TABLE attempts ADD COLUMN gpus FLOAT NOT NULL DEFAULT 0",
+                    "ALTER TABLE queues ADD COLUMN owner_quota JSON, ADD COLUMN team_quota JSON, "
+                    "ADD COLUMN cohort VARCHAR(64), ADD COLUMN borrowing_limit JSON",
+                ):
+                    conn.execute(text(statement))
             backend = Backend(tmp_path / "noop", run_seconds=60)
             conf = Settings(database_url="sqlite://", data_dir=tmp_path / "data", storage_uri=str(tmp_path / "c"),
                             job_fault_patience_seconds=1.0)  # fmt: skip

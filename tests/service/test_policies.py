@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from service.models import EndReason
+from service.errors import InvalidSpec
+from service.jobs import check_fits_cluster
+from service.models import ClusterSnapshot, EndReason
 from service.retry import decide
 from service.scheduler import Candidate, NodeFree, pick, place
+from service.spec import JobSpec
 
 
 def cand(job_id: str, workers: int, cpu: float = 1.0, prio: int = 0, seq: float = 0.0, placement: str = "pack"):
@@ -156,3 +159,32 @@ def test_attempts_a_head_restart_took_do_not_count_later_either() -> None:
     decision = decide(reason=EndReason.WORKER_LOST, attempt=3, max_attempts=2, backoff_seconds=1,
                       max_backoff_seconds=60, cluster_restarts=2)  # fmt: skip
     assert decision.retry
+
+
+def _snapshot(*nodes: tuple[bool, dict[str, float]]) -> ClusterSnapshot:
+    return ClusterSnapshot(id=1, nodes=[{"node_id": f"n{i}", "alive": alive, "total": total, "available": total}
+                                        for i, (alive, total) in enumerate(nodes)])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("snapshot", "refused"),
+    [
+        (None, None),
+        (_snapshot(), None),
+        # A head just started lists its node before its resources: nothing is known yet, so nothing is refused.
+        (_snapshot((True, {})), None),
+        (_snapshot((False, {"CPU": 8.0}), (True, {})), None),
+        (_snapshot((True, {"CPU": 2.0})), "resources.num_workers"),  # 3 workers of 1 CPU on 2 CPUs
+        (_snapshot((True, {"CPU": 2.0}), (True, {})), "resources.num_workers"),
+        (_snapshot((True, {"CPU": 3.0})), None),
+        (_snapshot((True, {"CPU": 0.5})), "resources.resources_per_worker"),
+    ],
+)
+def test_check_fits_cluster(snapshot: ClusterSnapshot | None, refused: str | None) -> None:
+    spec = JobSpec.model_validate({"entrypoint": {"callable": "m:f"}, "resources": {"num_workers": 3}})
+    if refused is None:
+        check_fits_cluster(spec, snapshot)
+    else:
+        with pytest.raises(InvalidSpec) as caught:
+            check_fits_cluster(spec, snapshot)
+        assert caught.value.field == refused

@@ -1,0 +1,58 @@
+"""Fair share on a real local Ray: alice queues four 2-worker jobs, then bob one; bob's runs second, not fifth.
+
+The session's Ray head has 4 logical CPUs, so each job asks 2 CPUs per worker: one worker group fills the cluster and
+the jobs run one at a time, as four 1-CPU-worker jobs would on a 2-CPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from api.client import Client
+from service.ray_local import free_port
+from tests.conftest import RAY_TEST_CPUS, wait_for
+from tests.service.conftest import Service, service_env, stop_leftover_ray_jobs
+from tests.service.test_e2e_serve import mlp_spec
+
+pytestmark = pytest.mark.slow
+TOKENS = {"tok-alice": {"owner": "alice", "team": "vision"}, "tok-bob": {"owner": "bob", "team": "nlp"}}
+
+
+@pytest.fixture
+def svc(ray_head, tmp_path: Path) -> Iterator[Service]:
+    service = Service(data_dir=tmp_path, port=free_port(), env={})
+    service.env = service_env(tmp_path, ray_head, service.port, SHUNTER_API_TOKENS=json.dumps(TOKENS))
+    service.start()
+    yield service
+    service.stop()
+    stop_leftover_ray_jobs(ray_head)
+
+
+def test_bobs_one_job_runs_second_behind_alices_running_one_not_fifth(svc: Service) -> None:
+    spec = mlp_spec(total_steps=10, checkpoint_every=10)
+    spec["resources"] = {"num_workers": 2, "resources_per_worker": {"CPU": RAY_TEST_CPUS / 2}}
+    with Client(svc.url, token="tok-alice") as alice, Client(svc.url, token="tok-bob") as bob:
+        first = alice.submit(spec | {"name": "alice-0"}).id
+        wait_for(lambda: alice.get(first).state in ("STARTING", "RUNNING"), timeout=60, what="alice's first admitted")
+        rest = [alice.submit(spec | {"name": f"alice-{i}"}).id for i in range(1, 4)]
+        mine = bob.submit(spec | {"name": "bob-0"}).id
+        queued = bob.get(mine)
+        assert queued.state == "QUEUED" and queued.position is not None
+        assert queued.position.overall == 1, queued  # already next: alice is using the cluster, bob is not
+        for job_id in [first, *rest]:
+            assert alice.wait(job_id, timeout=300).state == "SUCCEEDED"
+        assert bob.wait(mine, timeout=300).state == "SUCCEEDED"
+        starts = {}
+        for client, job_id in [(alice, first), *((alice, j) for j in rest), (bob, mine)]:
+            starts[job_id] = next(e.at for e in client.events(job_id) if e.to_state == "STARTING")
+        order = sorted(starts, key=starts.__getitem__)
+        assert order.index(mine) == 1, f"bob's job started {order.index(mine) + 1}th"
+        assert order[0] == first and [j for j in order if j != mine] == [first, *rest]  # FIFO within alice's
+        listed = httpx.get(f"{svc.url}/v1/queues", headers={"Authorization": "Bearer tok-bob"}, timeout=10).json()
+        share = {o["owner"]: o for q in listed for o in q["owners"]}
+        assert share["alice"]["usage"] > share["bob"]["usage"] > 0
