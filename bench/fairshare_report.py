@@ -207,7 +207,7 @@ def estimate_accuracy(rec: Record) -> dict[str, Any]:
 def _overtaken(rec: Record) -> set[str]:
     """Jobs that a job submitted after they were first seen waiting started ahead of."""
     out, latest = set(), -1.0  # the latest submission among jobs started so far (strictly earlier)
-    by_start = sorted((t, j) for j, t in rec.starts.items())
+    by_start = sorted((rec.starts.get(j, t), j) for j, t in rec.admitted.items())
     i = 0
     while i < len(by_start):
         same = [j for t, j in by_start[i:] if t == by_start[i][0]]

@@ -170,7 +170,8 @@ class Record:
     scenario: Scenario
     dispatchers: int
     samples: list[tuple[float, dict[str, list[float]], dict[str, list[float]]]] = field(default_factory=list)
-    starts: dict[str, float] = field(default_factory=dict)  # job -> first admission
+    admitted: dict[str, float] = field(default_factory=dict)  # job -> first admission
+    starts: dict[str, float] = field(default_factory=dict)  # job -> first admission after it was first seen waiting
     seen: dict[str, float] = field(default_factory=dict)  # job -> first seen waiting after a round
     estimates: dict[str, float | None] = field(default_factory=dict)  # job -> estimated start when first seen waiting
     jobs: dict[str, Arrival] = field(default_factory=dict)
@@ -327,7 +328,9 @@ def _observe(
                 if job_id not in rec.seen:
                     fresh.append(job_id)
                 continue
-            rec.starts.setdefault(job_id, now)
+            rec.admitted.setdefault(job_id, now)
+            if job_id in rec.seen:  # a preempted job waits again: its estimate is of its start after that
+                rec.starts.setdefault(job_id, now)
             for key in (f"owner:{owner}", f"team:{team}", f"queue:{queue}"):
                 held = use.setdefault(key, [0.0, 0.0, 0.0])
                 held[0], held[1] = held[0] + 1, held[1] + cpus

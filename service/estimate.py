@@ -3,34 +3,44 @@
 Position is the job's place in the order admission would use now (`service.fairshare.fair_order` over every queued
 job, with the usage admission reads), in its queue and overall, counted from 1.
 
-The estimate replays that order against the cluster's capacity. Each running job frees what it holds at its expected
-end: the earliest of its timeout (attempt start + `timeout_seconds`) and, where its loop reports `total_steps`, its
-last progress time plus the steps left at the rate it has gone so far. Each waiting job, in order, starts at the
-first time the capacity left by everything placed before it holds its whole group for its expected run (its
-`timeout_seconds`; jobs without one hold their resources with no end known, so jobs behind them that need those
-resources get no estimate: None, never a made-up time). Later jobs may start earlier in room earlier ones cannot use,
-as backfill does. Quotas and per-node placement are not replayed: the estimate is the cluster-wide bound.
+The estimate is a forward replay of admission (`service.forecast`): the service's own fair order, limits, quotas,
+cohorts, backfill and preemption, run from now on over what this module reads:
+
+- each running job frees what it holds at its expected end: the earliest of its timeout (attempt start +
+  `timeout_seconds`) and, where its loop reports `total_steps`, its last progress time plus the steps left at the
+  rate it has gone so far; a job asked to yield stops when its grace runs out and queues again for the rest;
+- each waiting job runs, once started, for its `timeout_seconds` times its owner's run ratio: how long that owner's
+  jobs that succeeded lately ran against their timeouts (the median of the last `RATIO_SAMPLES`; everyone's when the
+  owner has fewer than `MIN_RATIO_SAMPLES`; 1 with no history). A job without a timeout holds its resources with no
+  end known, so jobs behind it that need them get no estimate: None, never a made-up time;
+- each owner who submitted in the last `ARRIVAL_WINDOW_SECONDS` goes on submitting at that rate, jobs like its
+  latest ones: with fair share a job submitted later by an owner who used less goes ahead of one waiting now, and a
+  replay of the queue alone would be early whenever owners keep submitting (measured: most of its misses were).
 """
 
 from __future__ import annotations
 
-import bisect
-import math
+import statistics
 import time
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
+from sqlalchemy import func
 from sqlmodel import Session, col, select
 
-from service import fairshare, resources, standing
-from service.models import ACTIVE_STATES, Attempt, ClusterSnapshot, Job, JobState, utcnow
+from service import fairshare, forecast, queues, standing
+from service.models import ACTIVE_STATES, Attempt, ClusterSnapshot, EndReason, Job, JobState, utcnow
 from service.scheduler import Candidate
 from service.settings import Settings
 from service.spec import JobSpec
 
 MAX_REPLAYED = 2000  # waiting jobs replayed for an estimate; the ones behind get position only
 TOTAL_STEPS = "total_steps"  # the metric a loop reports its planned number of steps under
+ARRIVAL_WINDOW_SECONDS = 3600.0  # an owner's submission rate is read over this window
+ARRIVAL_TEMPLATES = 8  # an owner's projected jobs are like its latest this many
+RATIO_SAMPLES = 50  # succeeded attempts an owner's run ratio is read from
+MIN_RATIO_SAMPLES = 3
+RATIO_HISTORY_SECONDS = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -38,22 +48,6 @@ class Standing:
     queue_position: int
     position: int
     start: datetime | None
-
-
-@dataclass(frozen=True)
-class Held:
-    """A running job's resources and when it is expected to free them (None: unknown)."""
-
-    total: dict[str, float]
-    end: float | None
-
-
-@dataclass(frozen=True)
-class Pending:
-    job_id: str
-    total: dict[str, float]
-    duration: float | None
-    not_before: float
 
 
 def expected_end(
@@ -67,67 +61,6 @@ def expected_end(
         rate = step / (progress_at - started)
         ends.append(progress_at + (total_steps - step) / rate)
     return min(ends) if ends else None
-
-
-def replay(
-    order: Sequence[Pending], running: Iterable[Held], capacity: dict[str, float], now: float
-) -> dict[str, float | None]:
-    """Each pending job's estimated start (seconds), placing them in order on a free-capacity profile: segment k is
-    free capacity `free[k]` from `times[k]` until `times[k + 1]` (the last one forever)."""
-    base = dict(capacity)
-    ends: list[tuple[float, dict[str, float]]] = []
-    for held in running:
-        resources.take(base, held.total)
-        if held.end is not None:
-            ends.append((max(held.end, now), held.total))
-    times, free = [now], [dict(base)]
-    for when, total in sorted(ends, key=lambda e: e[0]):
-        k = _split(times, free, when)
-        for m in range(k, len(free)):
-            _apply(free[m], total)
-    out: dict[str, float | None] = {}
-    for job in order:
-        start = _earliest(job, times, free)
-        out[job.job_id] = start
-        if start is None:
-            continue
-        first = _split(times, free, start)
-        last = len(free) if job.duration is None else _split(times, free, start + job.duration)
-        for m in range(first, last):
-            _apply(free[m], {k: -v for k, v in job.total.items()})
-    return out
-
-
-def _split(times: list[float], free: list[dict[str, float]], when: float) -> int:
-    """The index of the segment that starts at `when`, splitting the one that holds it if needed."""
-    k = bisect.bisect_right(times, when) - 1
-    if k >= 0 and times[k] == when:
-        return k
-    k = max(k, 0)
-    times.insert(k + 1, when)
-    free.insert(k + 1, dict(free[k]))
-    return k + 1
-
-
-def _earliest(job: Pending, times: list[float], free: list[dict[str, float]]) -> float | None:
-    """The first time from which every segment it would span holds `job.total` (for `job.duration`, else forever).
-    A segment that cannot hold it rules out every start before it whose window reaches it: the scan jumps past it."""
-    k = max(0, bisect.bisect_right(times, job.not_before) - 1)
-    while k < len(times):
-        start = max(times[k], job.not_before)
-        end = math.inf if job.duration is None else start + job.duration
-        m = k
-        while m < len(times) and (m == k or times[m] < end) and resources.fits(free[m], job.total):
-            m += 1
-        if m == len(times) or (m > k and times[m] >= end):
-            return start
-        k = m + 1
-    return None
-
-
-def _apply(free: dict[str, float], change: dict[str, float]) -> None:
-    for key, value in change.items():
-        free[key] = free.get(key, 0.0) + value
 
 
 _cache: dict[str, tuple[float, dict[str, Standing]]] = {}
@@ -157,26 +90,36 @@ def _spec(job: Job) -> JobSpec | None:
         return None
 
 
+def _candidate(job: Job, spec: JobSpec) -> Candidate:
+    res = spec.resources
+    return Candidate(job_id=job.id, priority=job.priority, seq=job.created_at.timestamp(), queue=job.queue,
+                     owner=job.owner, team=job.team, num_workers=res.num_workers, per_worker=res.per_worker(),
+                     placement=res.placement.value)  # fmt: skip
+
+
 def _compute(session: Session, settings: Settings, now: datetime) -> dict[str, Standing]:
     fair = settings.fair_share_config()
     queued = session.exec(select(Job).where(Job.state == JobState.QUEUED)).all()
     specs = {job.id: _spec(job) for job in queued}
-    candidates = [
-        Candidate(job_id=j.id, priority=j.priority, seq=j.created_at.timestamp(), queue=j.queue, owner=j.owner,
-                  team=j.team, num_workers=s.resources.num_workers, per_worker=s.resources.per_worker(),
-                  placement=s.resources.placement.value)
-        for j in queued if (s := specs[j.id]) is not None
-    ]  # fmt: skip
-    running = _running(session, now)
-    holding = [(owner, team, held.total) for owner, team, held in running]
-    order = fairshare.fair_order(candidates, standing.fair_usage(session, fair, now), fair, holding)
+    candidates = [_candidate(j, s) for j in queued if (s := specs[j.id]) is not None]
+    ratio = run_ratios(session, now)
+    running = _running(session, now, settings.preemption_grace_seconds, ratio)
+    holding = [(r.owner, r.team, r.total) for r in running]
+    usage = standing.fair_usage(session, fair, now)
+    order = fairshare.fair_order(candidates, usage, fair, holding)
     by_id = {job.id: job for job in queued}
-    starts = replay(
-        _pending(order[:MAX_REPLAYED], by_id, specs),
-        [held for _, _, held in running],
-        _capacity(session),
-        now.timestamp(),
-    )
+    waiters = []
+    for cand in order[:MAX_REPLAYED]:
+        job, spec = by_id[cand.job_id], specs[cand.job_id]
+        not_before = job.not_before.timestamp() if job.not_before else 0.0
+        waiters.append(forecast.Waiter(cand, _duration(spec, ratio(job.owner)), not_before))
+    limits, rules = queues.limits(session, settings), settings.quota_rules()
+    policy = forecast.Policy(
+        fair=fair, limits=limits, rules=rules, gpu_hours=standing.gpu_hours(session, rules, limits, now),
+        reserve_after_seconds=settings.reserve_after_seconds, grace_seconds=settings.preemption_grace_seconds,
+    )  # fmt: skip
+    starts = forecast.forecast(waiters, running, _nodes(session), now.timestamp(), usage=usage, policy=policy,
+                               arrivals=arrivals(session, now, ratio))  # fmt: skip
     out: dict[str, Standing] = {}
     in_queue: dict[str, int] = {}
     for place, cand in enumerate(order, start=1):
@@ -187,16 +130,64 @@ def _compute(session: Session, settings: Settings, now: datetime) -> dict[str, S
     return out
 
 
-def _pending(order: list[Candidate], jobs: dict[str, Job], specs: dict[str, JobSpec | None]) -> list[Pending]:
+def _duration(spec: JobSpec | None, ratio: float) -> float | None:
+    return None if spec is None or spec.timeout_seconds is None else spec.timeout_seconds * ratio
+
+
+class Ratios:
+    """Each owner's run ratio (see the module docstring): `ratios(owner)`."""
+
+    def __init__(self, by_owner: dict[str, list[float]]) -> None:
+        everyone = sorted(r for rs in by_owner.values() for r in rs)
+        self._default = statistics.median(everyone) if len(everyone) >= MIN_RATIO_SAMPLES else 1.0
+        self._owners = {o: statistics.median(rs) for o, rs in by_owner.items() if len(rs) >= MIN_RATIO_SAMPLES}
+
+    def __call__(self, owner: str) -> float:
+        return self._owners.get(owner, self._default)
+
+
+def run_ratios(session: Session, now: datetime) -> Ratios:
+    """How long each owner's recently succeeded attempts ran against their timeouts (clamped to (0, 1])."""
+    query = (
+        select(Job.owner, Job.spec, Attempt.started_at, Attempt.ended_at)
+        .join(Attempt, col(Attempt.job_id) == col(Job.id))
+        .where(col(Attempt.ended_at) > now - timedelta(seconds=RATIO_HISTORY_SECONDS),
+               Attempt.end_reason == EndReason.SUCCEEDED, Attempt.number == 1)
+        .order_by(col(Attempt.ended_at).desc())
+        .limit(20 * RATIO_SAMPLES)
+    )  # fmt: skip
+    by_owner: dict[str, list[float]] = {}
+    for owner, spec, started, ended in session.exec(query).all():
+        timeout = spec.get("timeout_seconds") if isinstance(spec, dict) else None
+        ratios = by_owner.setdefault(owner, [])
+        if not isinstance(timeout, int | float) or timeout <= 0 or len(ratios) >= RATIO_SAMPLES:
+            continue
+        ratios.append(min(max((ended - started).total_seconds() / timeout, 1e-3), 1.0))
+    return Ratios({o: rs for o, rs in by_owner.items() if rs})
+
+
+def arrivals(session: Session, now: datetime, ratio: Ratios) -> list[forecast.Arrivals]:
+    """Each owner's projected submissions: as many per `ARRIVAL_WINDOW_SECONDS` as it submitted in the last one,
+    evenly spaced after its latest, like its latest `ARRIVAL_TEMPLATES` jobs in turn."""
+    since = now - timedelta(seconds=ARRIVAL_WINDOW_SECONDS)
+    query = select(Job.owner, func.count(), func.max(Job.created_at)).where(Job.created_at > since).group_by(Job.owner)
     out = []
-    for cand in order:
-        job, spec = jobs[cand.job_id], specs[cand.job_id]
-        not_before = job.not_before.timestamp() if job.not_before else 0.0
-        out.append(Pending(cand.job_id, cand.total(), spec.timeout_seconds if spec else None, not_before))
+    for owner, n, last in session.exec(query).all():
+        latest = session.exec(
+            select(Job).where(Job.owner == owner, Job.created_at > since)
+            .order_by(col(Job.created_at).desc(), col(Job.id).desc()).limit(ARRIVAL_TEMPLATES)
+        ).all()  # fmt: skip
+        templates = tuple(
+            forecast.Waiter(_candidate(job, spec), _duration(spec, ratio(owner)), projected=True)
+            for job in reversed(latest) if (spec := _spec(job)) is not None
+        )  # fmt: skip
+        every = ARRIVAL_WINDOW_SECONDS / n
+        last = last.replace(tzinfo=last.tzinfo or timezone.utc)
+        out.append(forecast.Arrivals(owner, last.timestamp() + every, every, templates))
     return out
 
 
-def _running(session: Session, now: datetime) -> list[tuple[str, str | None, Held]]:
+def _running(session: Session, now: datetime, grace: float, ratio: Ratios) -> list[forecast.Runner]:
     rows = session.exec(
         select(Job, Attempt)
         .join(Attempt, (col(Attempt.job_id) == col(Job.id)) & (col(Attempt.number) == col(Job.attempt)))
@@ -206,20 +197,35 @@ def _running(session: Session, now: datetime) -> list[tuple[str, str | None, Hel
     for job, attempt in rows:
         spec = _spec(job)
         total = {"CPU": attempt.cpus, "GPU": attempt.gpus}
+        cand = None
         if spec is not None:
-            total = spec.resources.total()
+            total, cand = spec.resources.total(), _candidate(job, spec)
+        started, timeout = attempt.started_at.timestamp(), spec.timeout_seconds if spec else None
         metrics = job.latest_metrics or {}
-        end = expected_end(
-            attempt.started_at.timestamp(),
-            spec.timeout_seconds if spec else None,
-            job.step,
-            metrics.get(TOTAL_STEPS),
-            job.progress_at.timestamp() if job.progress_at else None,
-        )
-        out.append((job.owner, job.team, Held(total, end)))
+        progress_at = job.progress_at.timestamp() if job.progress_at else None
+        end = expected_end(started, timeout, job.step, metrics.get(TOTAL_STEPS), progress_at)
+        if timeout is not None and end == started + timeout and started + timeout * ratio(job.owner) > now.timestamp():
+            end = started + timeout * ratio(job.owner)  # no step projection: as long as the owner's jobs run
+        runner = forecast.Runner(job.id, job.owner, job.team, job.queue, job.priority, job.created_at.timestamp(),
+                                 total, end, cand=cand)  # fmt: skip
+        if job.preempt_requested_at is not None:  # asked to yield: gone when its grace runs out, if not before
+            asked = job.preempt_requested_at.replace(tzinfo=job.preempt_requested_at.tzinfo or timezone.utc)
+            stop = asked.timestamp() + grace
+            runner.yielding = True
+            if end is None or end > stop:
+                left = None if end is None else end - max(stop, now.timestamp())
+                if cand is not None:
+                    runner.rest = forecast.Waiter(cand, left, not_before=stop, projected=True)
+                runner.end = stop
+        out.append(runner)
     return out
 
 
-def _capacity(session: Session) -> dict[str, float]:
+def _nodes(session: Session) -> dict[str, dict[str, float]]:
+    """Each live node's total resources (the cluster's total as one node where the snapshot lists none)."""
     snap = session.get(ClusterSnapshot, 1)
-    return dict(snap.total) if snap is not None else {}
+    if snap is None:
+        return {}
+    nodes = {str(n.get("node_id")): dict(n.get("total") or {}) for n in snap.nodes or [] if n.get("alive", True)}
+    nodes = {k: v for k, v in nodes.items() if v}
+    return nodes or {"cluster": dict(snap.total)}

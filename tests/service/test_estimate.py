@@ -1,14 +1,43 @@
-"""The start estimate's replay, pure and table-driven (`position` / `estimated_start` over the app: tests/api)."""
+"""The start estimate's forward replay of admission (`service.forecast`), pure and table-driven; what it reads from the
+database (run ratios, projected submissions) on real SQLite and PostgreSQL; `position` / `estimated_start` over the
+app: tests/api/test_position.py; against what then happens, at scale: tests/service/test_fairshare_sim.py."""
 
 from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
 
-from service.estimate import Held, Pending, expected_end, replay
+from service import estimate
+from service.estimate import expected_end
+from service.fairshare import FairShare, Usage
+from service.forecast import Arrivals, Policy, Runner, Waiter, forecast
+from service.models import Attempt, EndReason, Job, JobState
+from service.quotas import QueueLimit, Quota, Quotas
+from service.scheduler import Candidate
 
 CPU = "CPU"
+FIFO = Policy(fair=FairShare(enabled=False))
+
+
+def waiter(name: str, need: float, duration: float | None, *, owner: str = "alice", seq: float = 0.0,
+           queue: str = "default", workers: int = 1, placement: str = "pack", not_before: float = 0.0,
+           prio: int = 0) -> Waiter:  # fmt: skip
+    cand = Candidate(name, prio, seq, workers, {CPU: need / workers}, placement, queue, owner, None)
+    return Waiter(cand, duration, not_before)
+
+
+def runner(name: str, need: float, end: float | None, *, owner: str = "zed", queue: str = "default",
+           prio: int = 0, seq: float = -1.0, yielding: bool = False) -> Runner:  # fmt: skip
+    return Runner(name, owner, None, queue, prio, seq, {CPU: need}, end, yielding=yielding)
+
+
+def one_node(cpus: float) -> dict[str, dict[str, float]]:
+    return {"n0": {CPU: cpus}}
 
 
 @pytest.mark.parametrize(
@@ -28,16 +57,92 @@ CPU = "CPU"
         pytest.param([("a", 1, 10)], [(2, None)], 2, {"a": None}, id="running-without-an-end"),
         pytest.param([("a", 3, 10)], [], 2, {"a": None}, id="never-fits"),
         pytest.param([("a", 1, 100), ("b", 1, 5)], [(1, 50)], 2, {"a": 0, "b": 50}, id="short-job-after-the-end"),
+        pytest.param([("a", 1, 10)], [(2, -5)], 2, {"a": 0}, id="a-job-past-its-expected-end-ends-now"),
     ],
 )
-def test_replay(pending: list, running: list, capacity: float, expected: dict) -> None:
-    order = [Pending(name, {CPU: need}, duration, 0.0) for name, need, duration in pending]
-    held = [Held({CPU: need}, end) for need, end in running]
-    assert replay(order, held, {CPU: capacity}, 0.0) == expected
+def test_forecast_in_fifo_order(pending: list, running: list, capacity: float, expected: dict) -> None:
+    order = [waiter(name, need, duration, seq=i) for i, (name, need, duration) in enumerate(pending)]
+    held = [runner(f"r{i}", need, end) for i, (need, end) in enumerate(running)]
+    assert forecast(order, held, one_node(capacity), 0.0, policy=FIFO) == expected
 
 
-def test_replay_waits_out_a_retry_backoff() -> None:
-    assert replay([Pending("a", {CPU: 1}, 10, not_before=40.0)], [], {CPU: 2}, 0.0) == {"a": 40.0}
+def test_forecast_waits_out_a_retry_backoff() -> None:
+    assert forecast([waiter("a", 1, 10, not_before=40.0)], [], one_node(2), 0.0, policy=FIFO) == {"a": 40.0}
+
+
+def test_forecast_places_per_node() -> None:
+    """Two nodes of 2 CPUs with one free on each: a 2-worker group packs across them now, a strict_pack one waits for
+    a whole node."""
+    nodes = {"n0": {CPU: 2.0}, "n1": {CPU: 2.0}}
+    running = [runner("r0", 1, 100), runner("r1", 1, 200)]
+    spread = waiter("a", 2, 10, workers=2)
+    strict = waiter("b", 2, 10, workers=2, placement="strict_pack", seq=1)
+    assert forecast([spread], running, nodes, 0.0, policy=FIFO) == {"a": 0}
+    assert forecast([strict], running, nodes, 0.0, policy=FIFO) == {"b": 100}
+
+
+def test_projected_submissions_of_an_owner_who_used_less_go_ahead() -> None:
+    """alice (no usage) keeps submitting 2-CPU jobs of 100 s; bob's job (his usage 500 CPU-seconds) waits behind her
+    two queued ones and then behind each of hers that arrives while her usage is still below his: one more (her usage
+    is 400 at 200 s, 600 at 300 s). Without her projected jobs he would start at 200."""
+    fair = Policy(fair=FairShare(projection_seconds=1.0))
+    queued = [waiter("a1", 2, 100, seq=0), waiter("a2", 2, 100, seq=1), waiter("b1", 2, 100, owner="bob", seq=2)]
+    usage = Usage(teams={"~bob": 500.0}, owners={"bob": 500.0})
+    alone = forecast(queued, [], one_node(2), 0.0, usage=usage, policy=fair)
+    assert alone == {"a1": 0, "a2": 100, "b1": 200}
+    template = (waiter("t", 2, 100),)
+    keeps = [Arrivals("alice", 150.0, 100.0, template)]
+    projected = forecast(queued, [], one_node(2), 0.0, usage=usage, policy=fair, arrivals=keeps)
+    assert projected["a1"] == 0 and projected["a2"] == 100
+    assert projected["b1"] == 300
+    # Projected jobs are competitors only: never reported.
+    assert set(projected) == {"a1", "a2", "b1"}
+
+
+def test_projected_submissions_come_behind_the_owners_queued_jobs() -> None:
+    """An owner's own projected jobs never delay its queued ones (FIFO within an owner)."""
+    queued = [waiter("a1", 2, 100, seq=0), waiter("a2", 2, 100, seq=1)]
+    keeps = [Arrivals("alice", 1.0, 1.0, (waiter("t", 2, 100),))]
+    assert forecast(queued, [], one_node(2), 0.0, policy=Policy(), arrivals=keeps) == {"a1": 0, "a2": 100}
+
+
+def test_an_owner_quota_holds_a_job_while_there_is_room() -> None:
+    rules = Quotas(owners={"alice": Quota(max_cpus=2)})
+    running = [runner("r", 2, 50, owner="alice")]
+    queued = [waiter("a", 1, 10), waiter("b", 1, 10, owner="bob", seq=1)]
+    assert forecast(queued, running, one_node(8), 0.0, policy=Policy(fair=FIFO.fair, rules=rules)) == {"a": 50,
+                                                                                                    "b": 0}
+
+
+def test_a_lender_gets_its_quota_back_after_one_grace() -> None:
+    """Queue b borrows all 4 CPUs of a cohort; a job of queue a (nominal 2) takes them back by reclaim: it starts
+    when the borrower's grace runs out, not when the borrower would have ended."""
+    limits = {q: QueueLimit(max_cpus=2, cohort="c") for q in ("a", "b")}
+    running = [runner("b1", 2, 1000, queue="b", seq=0), runner("b2", 2, 1000, queue="b", seq=1)]
+    policy = Policy(fair=FIFO.fair, limits=limits, grace_seconds=60)
+    assert forecast([waiter("a1", 2, 100, queue="a")], running, one_node(4), 0.0, policy=policy) == {"a1": 60}
+
+
+def test_a_yielding_job_stops_at_its_grace_and_queues_again() -> None:
+    """A running job already asked to yield frees its room at its stop; the rest of its run queues again, ahead of
+    later jobs of the same priority (its FIFO place is its creation)."""
+    rest = waiter("r", 2, 500, seq=-1, not_before=30)
+    yielding = Runner("r", "zed", None, "default", 0, -1, {CPU: 2}, 30.0, yielding=True, rest=rest)
+    queued = [waiter("a", 2, 100, seq=0)]
+    assert forecast(queued, [yielding], one_node(2), 0.0, policy=FIFO) == {"a": 530}
+
+
+def test_a_higher_priority_job_preempts_in_its_queue() -> None:
+    limits = {"default": QueueLimit(preemption=True)}
+    running = [runner("low", 2, 1000, prio=0)]
+    policy = Policy(fair=FIFO.fair, limits=limits, grace_seconds=45)
+    assert forecast([waiter("hi", 2, 100, prio=5)], running, one_node(2), 0.0, policy=policy) == {"hi": 45}
+
+
+def test_a_replay_that_cannot_end_gives_no_estimate_instead_of_spinning() -> None:
+    """Projected submissions never free room: with nothing that ends, the replay stops at once."""
+    keeps = [Arrivals("bob", 0.0, 0.001, (waiter("t", 1, 10, owner="bob"),))]
+    assert forecast([waiter("a", 3, 10)], [runner("r", 2, None)], one_node(4), 0.0, arrivals=keeps) == {"a": None}
 
 
 @pytest.mark.parametrize(
@@ -56,20 +161,76 @@ def test_expected_end(timeout, step, total, progress_at, expected) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    jobs=st.lists(st.tuples(st.integers(1, 4), st.one_of(st.none(), st.integers(1, 100))), min_size=1, max_size=12),
+    jobs=st.lists(
+        st.tuples(st.integers(1, 4), st.one_of(st.none(), st.integers(1, 100)), st.sampled_from(["a", "b", "c"])),
+        min_size=1, max_size=12,
+    ),
     running=st.lists(st.tuples(st.integers(1, 4), st.one_of(st.none(), st.integers(1, 200))), max_size=3),
-)
-def test_replayed_starts_never_overcommit(jobs: list, running: list) -> None:
-    """At every instant the replayed jobs and the running ones together fit the capacity."""
+    fair=st.booleans(),
+    arrive=st.booleans(),
+)  # fmt: skip
+def test_forecast_never_overcommits_nor_starts_before_now(jobs: list, running: list, fair: bool, arrive: bool) -> None:
+    """At every instant the replayed jobs and the running ones together fit the capacity; no start is in the past."""
     capacity = 8
     assume(sum(need for need, _ in running) <= capacity)  # what runs fits the cluster
-    order = [Pending(f"j{i}", {CPU: need}, duration, 0.0) for i, (need, duration) in enumerate(jobs)]
-    held = [Held({CPU: need}, end) for need, end in running]
-    starts = replay(order, held, {CPU: capacity}, 0.0)
+    order = [waiter(f"j{i}", need, duration, owner=owner, seq=i) for i, (need, duration, owner) in enumerate(jobs)]
+    held = [runner(f"r{i}", need, end) for i, (need, end) in enumerate(running)]
+    keeps = [Arrivals("d", 5.0, 7.0, (waiter("t", 3, 20, owner="d"),))] if arrive else []
+    policy = Policy() if fair else FIFO
+    starts = forecast(order, held, one_node(capacity), 0.0, policy=policy, arrivals=keeps)
+    assert set(starts) == {w.cand.job_id for w in order}
     intervals = [(0.0, end if end is not None else float("inf"), need) for need, end in running]
     for job in order:
-        start = starts[job.job_id]
+        start = starts[job.cand.job_id]
         if start is not None:
-            intervals.append((start, start + job.duration if job.duration else float("inf"), job.total[CPU]))
+            assert start >= 0.0
+            intervals.append((start, start + job.duration if job.duration else float("inf"), job.cand.total()[CPU]))
     for t in {s for s, _, _ in intervals}:
         assert sum(need for s, e, need in intervals if s <= t < e) <= capacity
+
+
+# ---- what the estimate reads from the database --------------------------------------------------------------------
+NOW = datetime(2030, 6, 1, 12, 0, tzinfo=timezone.utc)
+
+
+def _job(session: Session, job_id: str, owner: str, *, created: datetime, timeout: float | None = 100.0,
+         ran: float | None = None, state: JobState = JobState.SUCCEEDED) -> None:  # fmt: skip
+    spec = {"entrypoint": {"callable": "examples.mlp:train_loop"}, "resources": {"num_workers": 1}}
+    if timeout is not None:
+        spec["timeout_seconds"] = timeout
+    session.add(Job(id=job_id, name=job_id, owner=owner, spec=spec, state=state, created_at=created, attempt=1 if ran else 0))
+    session.flush()
+    if ran is not None:
+        start = created + timedelta(seconds=5)
+        session.add(Attempt(job_id=job_id, number=1, submission_id=f"s-{job_id}", started_at=start,
+                            ended_at=start + timedelta(seconds=ran), end_reason=EndReason.SUCCEEDED, cpus=1.0))  # fmt: skip
+
+
+def test_run_ratios_and_projected_submissions_from_history(db: Engine) -> None:
+    """alice's last jobs ran 40-60% of their timeouts; bob has too little history and takes everyone's median; an
+    owner who submitted 6 jobs in the last hour is projected to submit one every 10 minutes after her latest."""
+    with Session(db) as session:
+        for i, ran in enumerate([40.0, 50.0, 60.0, 55.0, 45.0, 50.0]):
+            _job(session, f"a{i}", "alice", created=NOW - timedelta(minutes=50 - 5 * i), ran=ran)
+        _job(session, "b0", "bob", created=NOW - timedelta(hours=3), ran=90.0)
+        _job(session, "b1", "bob", created=NOW - timedelta(minutes=1), state=JobState.QUEUED, timeout=None)
+        session.commit()
+        ratios = estimate.run_ratios(session, NOW)
+        assert ratios("alice") == pytest.approx(0.5)
+        assert ratios("bob") == pytest.approx(0.5)  # the median of all seven
+        assert ratios("nobody") == pytest.approx(0.5)
+        projected = {a.owner: a for a in estimate.arrivals(session, NOW, ratios)}
+    alice, bob = projected["alice"], projected["bob"]
+    assert alice.every == pytest.approx(600.0)
+    latest = (NOW - timedelta(minutes=25)).timestamp()
+    assert alice.first == pytest.approx(latest + 600.0)
+    assert [t.duration for t in alice.templates] == [pytest.approx(50.0)] * 6  # timeout 100 x her ratio
+    assert all(t.projected for t in alice.templates)
+    assert bob.every == pytest.approx(3600.0) and [t.duration for t in bob.templates] == [None]
+
+
+def test_a_job_without_a_timeout_is_never_projected() -> None:
+    """bob's jobs have no timeout: projecting one would hold the cluster for ever and leave alice no estimate."""
+    keeps = [Arrivals("bob", 0.0, 10.0, (waiter("t", 2, None, owner="bob"),))]
+    running = [runner("r", 2, 100)]
+    assert forecast([waiter("a", 2, 50)], running, one_node(2), 0.0, policy=FIFO, arrivals=keeps) == {"a": 100}
