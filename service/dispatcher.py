@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlmodel import Session, col, select
 
 from service import admission, leases, retry, submission
@@ -131,20 +131,29 @@ class Dispatcher:
             log.warning("cannot read Ray cluster resources: %s", exc)
             return None
         self._dead_nodes = dict(cluster.dead_nodes)
-        try:
-            with session_scope(self.engine) as session:
-                snap = session.get(ClusterSnapshot, 1) or ClusterSnapshot(id=1)
-                snap.dashboard_url = self.ray.dashboard_url
-                snap.nodes = [
-                    {"node_id": n.node_id, "address": n.address, "alive": n.alive, "total": n.total,
-                     "available": n.available}
-                    for n in cluster.nodes
-                ]  # fmt: skip
-                snap.total, snap.available, snap.taken_at = cluster.total, cluster.available, utcnow()
-                session.add(snap)
-        except SQLAlchemyError as exc:
-            log.warning("cannot store the cluster snapshot: %s", exc)
+        for first in (True, False):
+            try:
+                self._store_snapshot(cluster)
+                break
+            except IntegrityError as exc:  # another dispatcher stored the first one meanwhile: now it is an update
+                if not first:
+                    log.warning("cannot store the cluster snapshot: %s", exc)
+            except SQLAlchemyError as exc:
+                log.warning("cannot store the cluster snapshot: %s", exc)
+                break
         return cluster
+
+    def _store_snapshot(self, cluster: ClusterView) -> None:
+        with session_scope(self.engine) as session:
+            snap = session.get(ClusterSnapshot, 1) or ClusterSnapshot(id=1)
+            snap.dashboard_url = self.ray.dashboard_url
+            snap.nodes = [
+                {"node_id": n.node_id, "address": n.address, "alive": n.alive, "total": n.total,
+                 "available": n.available}
+                for n in cluster.nodes
+            ]  # fmt: skip
+            snap.total, snap.available, snap.taken_at = cluster.total, cluster.available, utcnow()
+            session.add(snap)
 
     # ---- admission ------------------------------------------------------------------------------------------
     def admit(self, cluster: ClusterView) -> list[str]:

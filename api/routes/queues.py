@@ -11,6 +11,7 @@ from api.deps import CallerDep, SessionDep, SettingsDep
 from api.schemas import ERROR_RESPONSES
 from service import queues
 from service.errors import Forbidden
+from service.jobs import Caller
 from service.numbers import NoBoolNumbers
 from service.quotas import QueueLimit, Quota
 
@@ -74,7 +75,10 @@ class QueuePublic(BaseModel):
     queued: int
     cpus_in_use: float
     gpus_in_use: float
-    owners: list[OwnerShare] = Field(default_factory=list, description="who runs or waits here, with fair share")
+    owners: list[OwnerShare] = Field(
+        default_factory=list,
+        description="who runs or waits here, with fair share (every owner for an admin, else the caller's own)",
+    )
 
 
 router = APIRouter(prefix="/v1/queues", tags=["queues"], responses=ERROR_RESPONSES)
@@ -83,8 +87,9 @@ QueueName = Annotated[str, Path(pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$")]
 
 @router.get("", response_model=list[QueuePublic])
 def list_queues(session: SessionDep, settings: SettingsDep, caller: CallerDep) -> list[QueuePublic]:
-    """Every queue: its limits, running and queued jobs, resources in use."""
-    return [_public(v) for v in queues.overview(session, settings)]
+    """Every queue: its limits, running and queued jobs, resources in use; per owner, running and queued jobs and fair
+    share (an admin sees every owner, anyone else only their own: another owner's usage is theirs)."""
+    return [_public(v, caller) for v in queues.overview(session, settings)]
 
 
 @router.put("/{name}", response_model=QueuePublic)
@@ -96,10 +101,10 @@ def put_queue(
         raise Forbidden("only an admin may change queues")
     queues.put(session, name, limits.to_limit())
     session.commit()
-    return _public(next(v for v in queues.overview(session, settings) if v.name == name))
+    return _public(next(v for v in queues.overview(session, settings) if v.name == name), caller)
 
 
-def _public(view: queues.QueueView) -> QueuePublic:
+def _public(view: queues.QueueView, caller: Caller) -> QueuePublic:
+    owners = [OwnerShare(**o) for o in view.owners if caller.admin or o["owner"] == caller.owner]
     return QueuePublic(name=view.name, limits=QueueLimits(**view.limits), running=view.running, queued=view.queued,
-                       cpus_in_use=view.cpus_in_use, gpus_in_use=view.gpus_in_use,
-                       owners=[OwnerShare(**o) for o in view.owners])  # fmt: skip
+                       cpus_in_use=view.cpus_in_use, gpus_in_use=view.gpus_in_use, owners=owners)  # fmt: skip

@@ -29,3 +29,21 @@ def test_only_admins_change_queues(app_client) -> None:
     assert alice.put("/v1/queues/mine", json={"max_running": 5}).status_code == 403
     root = app_client("tok-root", tokens=TOKENS)
     assert root.put("/v1/queues/mine", json={"max_running": 5}).status_code == 200
+
+
+def test_an_owner_sees_only_their_own_share_and_an_admin_sees_everyone(app_client) -> None:
+    """Another owner's usage and share are theirs: the queue's totals are public, its per-owner lines are not."""
+    alice, bob = app_client("tok-alice", tokens=TOKENS), app_client("tok-bob", tokens=TOKENS)
+    root = app_client("tok-root", tokens=TOKENS)
+    assert alice.post("/v1/jobs", json=GOOD).status_code == 201
+    assert bob.post("/v1/jobs", json=GOOD).status_code == 201
+    assert bob.post("/v1/jobs", json=GOOD).status_code == 201
+
+    def default(client) -> dict:
+        return next(q for q in client.get("/v1/queues").json() if q["name"] == "default")
+
+    mine = default(alice)
+    assert mine["queued"] == 3  # the queue's own totals count everyone
+    assert [(o["owner"], o["queued"]) for o in mine["owners"]] == [("alice", 1)]
+    assert [(o["owner"], o["queued"]) for o in default(bob)["owners"]] == [("bob", 2)]
+    assert sorted((o["owner"], o["queued"]) for o in default(root)["owners"]) == [("alice", 1), ("bob", 2)]

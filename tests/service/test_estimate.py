@@ -208,12 +208,15 @@ def _job(session: Session, job_id: str, owner: str, *, created: datetime, timeou
 
 def test_run_ratios_and_projected_submissions_from_history(db: Engine) -> None:
     """alice's last jobs ran 40-60% of their timeouts; bob has too little history and takes everyone's median; an
-    owner who submitted 6 jobs in the last hour is projected to submit one every 10 minutes after her latest."""
+    owner who submitted 6 jobs in the last hour is projected to submit one every 10 minutes after her latest, and one
+    who submitted a batch of 3 at once, one every 20 minutes (a batch is not a rate)."""
     with Session(db) as session:
         for i, ran in enumerate([40.0, 50.0, 60.0, 55.0, 45.0, 50.0]):
             _job(session, f"a{i}", "alice", created=NOW - timedelta(minutes=50 - 5 * i), ran=ran)
-        _job(session, "b0", "bob", created=NOW - timedelta(hours=3), ran=90.0)
-        _job(session, "b1", "bob", created=NOW - timedelta(minutes=1), state=JobState.QUEUED, timeout=None)
+        _job(session, "b0", "bob", created=NOW - timedelta(hours=3), ran=90.0)  # before the window: not counted
+        for i, timeout in enumerate([None, 100.0, 100.0]):
+            _job(session, f"b{i + 1}", "bob", created=NOW - timedelta(minutes=2, seconds=i), state=JobState.QUEUED,
+                 timeout=timeout)  # fmt: skip
         session.commit()
         ratios = estimate.run_ratios(session, NOW)
         assert ratios("alice") == pytest.approx(0.5)
@@ -222,11 +225,11 @@ def test_run_ratios_and_projected_submissions_from_history(db: Engine) -> None:
         projected = {a.owner: a for a in estimate.arrivals(session, NOW, ratios)}
     alice, bob = projected["alice"], projected["bob"]
     assert alice.every == pytest.approx(600.0)
-    latest = (NOW - timedelta(minutes=25)).timestamp()
-    assert alice.first == pytest.approx(latest + 600.0)
+    assert alice.first == pytest.approx((NOW - timedelta(minutes=25)).timestamp() + 600.0)
     assert [t.duration for t in alice.templates] == [pytest.approx(50.0)] * 6  # timeout 100 x her ratio
     assert all(t.projected for t in alice.templates)
-    assert bob.every == pytest.approx(3600.0) and [t.duration for t in bob.templates] == [None]
+    assert bob.every == pytest.approx(1200.0)
+    assert [t.duration for t in bob.templates] == [pytest.approx(50.0), pytest.approx(50.0), None]  # oldest first
 
 
 def test_a_job_without_a_timeout_is_never_projected() -> None:

@@ -24,7 +24,7 @@ from service import clock
 from service.backend import Backend, RayJobInfo
 from service.dispatcher import Dispatcher
 from service.jobs import Caller, submit
-from service.models import Job, JobState
+from service.models import ClusterSnapshot, Job, JobState
 from service.sim_backend import SimJobs
 from service.spec import JobSpec
 
@@ -117,6 +117,40 @@ def test_sim_jobs_run_for_their_length_and_report_steps_through_the_progress_pat
                 assert job.finished_at == sim.START + timedelta(seconds=100)
     finally:
         disp._pool.shutdown(wait=True)
+
+
+def test_the_first_cluster_snapshot_stored_by_two_dispatchers_at_once_is_not_lost(
+    db: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Seen with three dispatchers on a fresh PostgreSQL database: both read no snapshot row, both insert id 1, and
+    the loser's snapshot was dropped with a warning. Now the loser stores it again, as the update it has become.
+    (On SQLite a write transaction holds the lock from its first read: the race cannot happen there.)"""
+    if db.dialect.name == "sqlite":
+        pytest.skip("SQLite's write transactions begin IMMEDIATE: no other writer can come between read and write")
+    scenario = sim.Scenario("one", [], {}, cpus=8)
+    backend = SimJobs(scenario.nodes(), engine=db)
+    disp = Dispatcher(engine=db, settings=sim.settings_for(scenario, tmp_path), ray=backend, owner="d1")
+    real_get, raced = Session.get, []
+
+    def get(self: Session, entity: Any, ident: Any, **kw: Any) -> Any:
+        found = real_get(self, entity, ident, **kw)
+        if entity is ClusterSnapshot and not raced:  # the other dispatcher inserts right after our read
+            raced.append(True)
+            with Session(db) as other:
+                other.add(ClusterSnapshot(id=1, total={"CPU": 1.0}, dashboard_url="other"))
+                other.commit()
+        return found
+
+    monkeypatch.setattr(Session, "get", get)
+    try:
+        with caplog.at_level("WARNING", logger="service.dispatcher"):
+            assert disp.read_cluster() is not None
+    finally:
+        disp._pool.shutdown(wait=True)
+    assert raced and "cannot store the cluster snapshot" not in caplog.text
+    with Session(db) as session:
+        snap = real_get(session, ClusterSnapshot, 1)
+        assert snap is not None and snap.total["CPU"] == 8.0 and snap.dashboard_url == "sim://"
 
 
 # ---- the properties, on a few dozen jobs: quick tier, both databases, 3 dispatchers (and 1 for borrowing) --------
