@@ -23,6 +23,7 @@ Ray has not placed yet.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Sequence
@@ -85,6 +86,7 @@ class Policy:
     gpu_hours: dict[Scope, float] = field(default_factory=dict)
     reserve_after_seconds: float | None = None
     grace_seconds: float = 60.0
+    admit_batch: int = 64  # queued jobs one pass reads (`SHUNTER_ADMIT_BATCH`)
 
 
 def forecast(
@@ -106,27 +108,30 @@ def forecast(
     live = [replace(r, held=[]) for r in running]
     for runner in live:
         runner.held = _take_spread(free, runner.total)
-    pending = {w.cand.job_id: w for w in queued}
+    pending = _Queue(policy)
+    for waiter in queued:
+        pending.add(waiter)
     open_ = {w.cand.job_id for w in queued if not w.projected}
     starts: dict[str, float | None] = dict.fromkeys(open_)
     feed = _Feed(arrivals, now)
     capacity = resources.sum_of(nodes.values())
     max_events = max_events or MIN_EVENTS + EVENTS_PER_JOB * len(queued)
-    t, events = now, 0
+    t, events, forever = now, 0, None
     while open_ and events < max_events and t - now <= HORIZON_SECONDS:
         events += 1
         # What is held with no end known is never freed: a job that needs more than the rest never starts.
-        forever = resources.sum_of(r.total for r in live if r.end is None)
-        for job_id in [j for j in open_ if not resources.fits(_less(capacity, forever), pending[j].cand.total())]:
-            open_.discard(job_id)
+        endless = resources.sum_of(r.total for r in live if r.end is None)
+        if endless != forever:
+            forever, left = endless, _less(capacity, endless)
+            open_ -= {j for j in open_ if not resources.fits(left, pending.get(j).cand.total())}
         for runner in [r for r in live if r.end is not None and r.end <= t]:  # overdue ones end now
             live.remove(runner)
             for node, amount in runner.held:
                 resources.give(free[node], amount)
             if runner.rest is not None:
-                pending[runner.rest.cand.job_id] = runner.rest
+                pending.add(runner.rest)
         for waiter in feed.due(t, pending):
-            pending[waiter.cand.job_id] = waiter
+            pending.add(waiter)
         for job_id in _admit(pending, live, free, t, usage, policy):
             if job_id in open_:
                 starts[job_id] = t
@@ -137,6 +142,72 @@ def forecast(
         _accrue(usage, live, t, nxt, policy.fair)
         t = nxt
     return starts
+
+
+class _Queue:
+    """The waiting jobs, each owner's in admission order (priority, then FIFO), so that a pass reads only the heads
+    the real pass reads (`service.leases.queued_heads`: `batch / owners` of each owner, at least 4; without fair share
+    the first `batch` of all), whatever the queue's depth."""
+
+    def __init__(self, policy: Policy) -> None:
+        self._fair, self._batch = policy.fair.enabled, policy.admit_batch
+        self._jobs: dict[str, Waiter] = {}
+        self._owners: dict[str, list[tuple[int, float, str]]] = {}
+        self._backoffs: list[tuple[float, str]] = []  # (not_before, job id), a heap
+        self.projected: dict[str, int] = {}  # owner -> projected jobs waiting
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def get(self, job_id: str) -> Waiter:
+        return self._jobs[job_id]
+
+    def add(self, waiter: Waiter) -> None:
+        cand = waiter.cand
+        self._jobs[cand.job_id] = waiter
+        bisect.insort(self._owners.setdefault(cand.owner, []), (-cand.priority, cand.seq, cand.job_id))
+        if waiter.not_before:
+            heapq.heappush(self._backoffs, (waiter.not_before, cand.job_id))
+        if waiter.projected:
+            self.projected[cand.owner] = self.projected.get(cand.owner, 0) + 1
+
+    def pop(self, job_id: str) -> Waiter:
+        waiter = self._jobs.pop(job_id)
+        cand = waiter.cand
+        keys = self._owners[cand.owner]
+        keys.pop(bisect.bisect_left(keys, (-cand.priority, cand.seq, cand.job_id)))
+        if not keys:
+            del self._owners[cand.owner]
+        if waiter.projected:
+            self.projected[cand.owner] -= 1
+        return waiter
+
+    def heads(self, t: float) -> list[Waiter]:
+        """What the admission pass at `t` reads: past any backoff, each owner's first, as the real pass reads them."""
+        ready: dict[str, list[Waiter]] = {}
+        for owner, keys in self._owners.items():
+            first = []
+            for _, _, job_id in keys:  # no owner gives more than the whole batch: read no further
+                waiter = self._jobs[job_id]
+                if waiter.not_before <= t:
+                    first.append(waiter)
+                    if len(first) >= self._batch:
+                        break
+            if first:
+                ready[owner] = first
+        if not self._fair or len(ready) <= 1:
+            merged = sorted((w for ws in ready.values() for w in ws),
+                            key=lambda w: (-w.cand.priority, w.cand.seq, w.cand.job_id))  # fmt: skip
+            return merged[: self._batch]
+        each = max(4, self._batch // len(ready))
+        return [w for ws in ready.values() for w in ws[:each]]
+
+    def next_backoff(self, t: float) -> float | None:
+        """The first backoff of a waiting job that ends after `t`."""
+        heap = self._backoffs
+        while heap and (heap[0][1] not in self._jobs or heap[0][0] <= t):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
 
 
 class _Feed:
@@ -153,13 +224,12 @@ class _Feed:
     def next_time(self) -> float | None:
         return self._heap[0][0] if self._heap else None
 
-    def due(self, t: float, pending: dict[str, Waiter]) -> list[Waiter]:
+    def due(self, t: float, pending: _Queue) -> list[Waiter]:
         out = []
         while self._heap and self._heap[0][0] <= t:
             at, i, k = heapq.heappop(self._heap)
             a = self._arrivals[i]
-            waiting = sum(1 for w in pending.values() if w.projected and w.cand.owner == a.owner)
-            waiting += sum(1 for w in out if w.cand.owner == a.owner)
+            waiting = pending.projected.get(a.owner, 0) + sum(1 for w in out if w.cand.owner == a.owner)
             if waiting < MAX_PROJECTED_WAITING:  # more would change nothing: the owner already waits
                 template = a.templates[k % len(a.templates)]
                 cand = replace(template.cand, job_id=f"~{a.owner}~{k}", seq=at)
@@ -169,12 +239,11 @@ class _Feed:
 
 
 def _admit(
-    pending: dict[str, Waiter], live: list[Runner], free: dict[str, dict[str, float]], t: float, usage: Usage,
-    policy: Policy,
-) -> list[str]:  # fmt: skip
+    pending: _Queue, live: list[Runner], free: dict[str, dict[str, float]], t: float, usage: Usage, policy: Policy
+) -> list[str]:
     """One admission pass at `t`, as `service.admission.admit` runs it; starts what it admits and asks its victims
     to yield. Returns the ids admitted."""
-    ready = [w for w in pending.values() if w.not_before <= t]
+    ready = pending.heads(t)
     if not ready:
         return []
     cands = [w.cand for w in ready]
@@ -197,7 +266,7 @@ def _admit(
         cand = waiter.cand
         placed = scheduler.place(cand, [scheduler.NodeFree(n, dict(f)) for n, f in free.items()])
         if placed is None:  # plan placed it on the same room: cannot happen, but never over-commit
-            pending[job_id] = waiter
+            pending.add(waiter)
             continue
         for node in placed:
             resources.take(free[node], cand.per_worker)
@@ -228,11 +297,13 @@ def _yield(runner: Runner, t: float, grace: float) -> None:
     runner.end, runner.rest = stop, Waiter(cand, left, not_before=stop, projected=True)
 
 
-def _next_event(t: float, live: list[Runner], pending: dict[str, Waiter], feed: _Feed) -> float | None:
+def _next_event(t: float, live: list[Runner], pending: _Queue, feed: _Feed) -> float | None:
     """The next time something can change; None when nothing ever frees room again (a projected submission only
     takes room, and time alone only makes a starving job hold the rest back)."""
     times = [r.end for r in live if r.end is not None and r.end > t]
-    times += [w.not_before for w in pending.values() if w.not_before > t]
+    backoff = pending.next_backoff(t)
+    if backoff is not None:
+        times.append(backoff)
     if not times:
         return None
     arrival = feed.next_time()
