@@ -113,11 +113,24 @@ def estimates(
         lock.release()
 
 
+_specs: dict[tuple[str, str], JobSpec | None] = {}
+
+
 def _spec(job: Job) -> JobSpec | None:
+    """The job's stored spec (None if it no longer validates). A spec never changes: each is parsed once per process,
+    by its id and hash (a row without a hash is parsed each time)."""
+    key = (job.id, job.spec_hash) if job.spec_hash else None
+    if key is not None and key in _specs:
+        return _specs[key]
     try:
-        return JobSpec.model_validate(job.spec)
+        spec: JobSpec | None = JobSpec.model_validate(job.spec)
     except ValueError:
-        return None
+        spec = None
+    if key is not None:
+        if len(_specs) > 50_000:
+            _specs.clear()
+        _specs[key] = spec
+    return spec
 
 
 def _candidate(job: Job, spec: JobSpec) -> Candidate:
@@ -177,8 +190,23 @@ class Ratios:
         return self._owners.get(owner, self._default)
 
 
-def run_ratios(session: Session, now: datetime) -> Ratios:
-    """How long each owner's recently succeeded attempts ran against their timeouts (clamped to (0, 1])."""
+_ratios: dict[str, tuple[datetime, Ratios]] = {}
+RATIO_REFRESH_SECONDS = 60.0  # of the service's clock: ratios move with whole jobs, not seconds
+
+
+def run_ratios(session: Session, now: datetime, *, cached: bool = True) -> Ratios:
+    """How long each owner's recently succeeded attempts ran against their timeouts (clamped to (0, 1]); read again
+    after RATIO_REFRESH_SECONDS of the service's clock."""
+    key = str(session.get_bind().url)
+    hit = _ratios.get(key)
+    if cached and hit is not None and timedelta(0) <= now - hit[0] < timedelta(seconds=RATIO_REFRESH_SECONDS):
+        return hit[1]
+    ratios = _read_ratios(session, now)
+    _ratios[key] = (now, ratios)
+    return ratios
+
+
+def _read_ratios(session: Session, now: datetime) -> Ratios:
     query = (
         select(Job.owner, Job.spec, Attempt.started_at, Attempt.ended_at)
         .join(Attempt, col(Attempt.job_id) == col(Job.id))

@@ -218,7 +218,7 @@ def test_run_ratios_and_projected_submissions_from_history(db: Engine) -> None:
             _job(session, f"b{i + 1}", "bob", created=NOW - timedelta(minutes=2, seconds=i), state=JobState.QUEUED,
                  timeout=timeout)  # fmt: skip
         session.commit()
-        ratios = estimate.run_ratios(session, NOW)
+        ratios = estimate.run_ratios(session, NOW, cached=False)
         assert ratios("alice") == pytest.approx(0.5)
         assert ratios("bob") == pytest.approx(0.5)  # the median of all seven
         assert ratios("nobody") == pytest.approx(0.5)
