@@ -3,8 +3,9 @@
 The replay runs the service's own policy (`fairshare.fair_order`, `scheduler.plan` with every queue limit, quota
 and cohort, `scheduler.reclaim` and `scheduler.preemption`) on a model of the cluster, from now on, one event at a
 time: a running job's expected end, a preempted job's grace running out, a retry backoff ending, a projected
-submission. At each event it admits what the real pass would admit, and a job's estimated start is the first
-event at which it is admitted. Between events each running job adds its decayed usage (`fairshare.decayed`), so the
+submission. At each event it admits what the real pass would admit (reading, as it does, only the first
+`admit_batch` queued jobs, shared among the owners), and a job's estimated start is the first event at which it is
+admitted. Between events each running job adds its decayed usage (`fairshare.decayed`), so the
 fair order moves as it would.
 
 A replay of only the jobs queued now is early whenever owners keep submitting: with fair share, a job submitted
@@ -261,6 +262,7 @@ def _admit(
     by_id = {r.job_id: r for r in live}
     running = [scheduler.Running(r.job_id, r.priority, r.seq, r.total, yielding=r.yielding, queue=r.queue)
                for r in live]  # fmt: skip
+    started = []
     for job_id in decision.admit:
         waiter = pending.pop(job_id)
         cand = waiter.cand
@@ -268,6 +270,7 @@ def _admit(
         if placed is None:  # plan placed it on the same room: cannot happen, but never over-commit
             pending.add(waiter)
             continue
+        started.append(job_id)
         for node in placed:
             resources.take(free[node], cand.per_worker)
         end = None if waiter.duration is None else t + waiter.duration
@@ -281,7 +284,7 @@ def _admit(
     for _, victims in served:
         for victim_id in victims:
             _yield(by_id[victim_id], t, policy.grace_seconds)
-    return list(decision.admit)
+    return started
 
 
 def _yield(runner: Runner, t: float, grace: float) -> None:

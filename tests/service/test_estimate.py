@@ -110,8 +110,8 @@ def test_an_owner_quota_holds_a_job_while_there_is_room() -> None:
     rules = Quotas(owners={"alice": Quota(max_cpus=2)})
     running = [runner("r", 2, 50, owner="alice")]
     queued = [waiter("a", 1, 10), waiter("b", 1, 10, owner="bob", seq=1)]
-    assert forecast(queued, running, one_node(8), 0.0, policy=Policy(fair=FIFO.fair, rules=rules)) == {"a": 50,
-                                                                                                    "b": 0}
+    policy = Policy(fair=FIFO.fair, rules=rules)
+    assert forecast(queued, running, one_node(8), 0.0, policy=policy) == {"a": 50, "b": 0}
 
 
 def test_a_lender_gets_its_quota_back_after_one_grace() -> None:
@@ -198,12 +198,15 @@ def _job(session: Session, job_id: str, owner: str, *, created: datetime, timeou
     spec = {"entrypoint": {"callable": "examples.mlp:train_loop"}, "resources": {"num_workers": 1}}
     if timeout is not None:
         spec["timeout_seconds"] = timeout
-    session.add(Job(id=job_id, name=job_id, owner=owner, spec=spec, state=state, created_at=created, attempt=1 if ran else 0))
+    session.add(
+        Job(id=job_id, name=job_id, owner=owner, spec=spec, state=state, created_at=created, attempt=1 if ran else 0)
+    )
     session.flush()
     if ran is not None:
         start = created + timedelta(seconds=5)
-        session.add(Attempt(job_id=job_id, number=1, submission_id=f"s-{job_id}", started_at=start,
-                            ended_at=start + timedelta(seconds=ran), end_reason=EndReason.SUCCEEDED, cpus=1.0))  # fmt: skip
+        end = start + timedelta(seconds=ran)
+        session.add(Attempt(job_id=job_id, number=1, submission_id=f"s-{job_id}", started_at=start, ended_at=end,
+                            end_reason=EndReason.SUCCEEDED, cpus=1.0))  # fmt: skip
 
 
 def test_run_ratios_and_projected_submissions_from_history(db: Engine) -> None:
