@@ -240,3 +240,13 @@ def test_a_job_without_a_timeout_is_never_projected() -> None:
     keeps = [Arrivals("bob", 0.0, 10.0, (waiter("t", 2, None, owner="bob"),))]
     running = [runner("r", 2, 100)]
     assert forecast([waiter("a", 2, 50)], running, one_node(2), 0.0, policy=FIFO, arrivals=keeps) == {"a": 100}
+
+
+def test_an_owner_who_floods_submissions_costs_no_more_events_than_any_other() -> None:
+    """Projected at one job every 10 ms, an owner would take 5,000 events to reach t=50, past the replay's budget,
+    and leave alice without an estimate; but it already waits with two projected jobs, so it takes none until one
+    starts."""
+    flood = [Arrivals("flood", 0.0, 0.01, (waiter("t", 1, 100, owner="flood"),))]
+    usage = Usage(teams={"~flood": 1e6}, owners={"flood": 1e6})
+    starts = forecast([waiter("a", 2, 10)], [runner("r", 2, 50)], one_node(2), 0.0, usage=usage, arrivals=flood)
+    assert starts == {"a": 50}
