@@ -66,7 +66,7 @@ def admit(
         for job in active:
             if job.state == JobState.STARTING:
                 resources.take_spread([n.free for n in nodes], resources_of(job))
-        candidates = [_candidate(job, spec) for job, spec in waiting]
+        candidates = [candidate(job, spec) for job, spec in waiting]
         limits, rules = queues.limits(session, settings), settings.quota_rules()
         held = standing.held(admitted, resources_of)
         usage = standing.fair_usage(session, fair, now)
@@ -127,7 +127,8 @@ def _start_attempt(
     return job
 
 
-def _candidate(job: Job, spec: JobSpec) -> scheduler.Candidate:
+def candidate(job: Job, spec: JobSpec) -> scheduler.Candidate:
+    """A queued job as the policy sees it (admission and the start estimate alike)."""
     return scheduler.Candidate(
         job_id=job.id,
         priority=job.priority,

@@ -30,8 +30,8 @@ from sqlalchemy import func
 from sqlmodel import Session, col, select
 
 from service import fairshare, forecast, queues, standing
+from service.admission import candidate
 from service.models import ACTIVE_STATES, Attempt, ClusterSnapshot, EndReason, Job, JobState, utcnow
-from service.scheduler import Candidate
 from service.settings import Settings
 from service.spec import JobSpec
 
@@ -133,18 +133,11 @@ def _spec(job: Job) -> JobSpec | None:
     return spec
 
 
-def _candidate(job: Job, spec: JobSpec) -> Candidate:
-    res = spec.resources
-    return Candidate(job_id=job.id, priority=job.priority, seq=job.created_at.timestamp(), queue=job.queue,
-                     owner=job.owner, team=job.team, num_workers=res.num_workers, per_worker=res.per_worker(),
-                     placement=res.placement.value)  # fmt: skip
-
-
 def _compute(session: Session, settings: Settings, now: datetime) -> dict[str, Standing]:
     fair = settings.fair_share_config()
     queued = session.exec(select(Job).where(Job.state == JobState.QUEUED)).all()
     specs = {job.id: _spec(job) for job in queued}
-    candidates = [_candidate(j, s) for j in queued if (s := specs[j.id]) is not None]
+    candidates = [candidate(j, s) for j in queued if (s := specs[j.id]) is not None]
     ratio = run_ratios(session, now)
     running = _running(session, now, settings.preemption_grace_seconds, ratio)
     holding = [(r.owner, r.team, r.total) for r in running]
@@ -242,7 +235,7 @@ def arrivals(session: Session, now: datetime, ratio: Ratios) -> list[forecast.Ar
             .order_by(col(Job.created_at).desc(), col(Job.id).desc()).limit(ARRIVAL_TEMPLATES)
         ).all()  # fmt: skip
         templates = tuple(
-            forecast.Waiter(_candidate(job, spec), _duration(spec, ratio(owner)), projected=True)
+            forecast.Waiter(candidate(job, spec), _duration(spec, ratio(owner)), projected=True)
             for job in reversed(latest) if (spec := _spec(job)) is not None
         )  # fmt: skip
         every = ARRIVAL_WINDOW_SECONDS / n
@@ -263,7 +256,7 @@ def _running(session: Session, now: datetime, grace: float, ratio: Ratios) -> li
         total = {"CPU": attempt.cpus, "GPU": attempt.gpus}
         cand = None
         if spec is not None:
-            total, cand = spec.resources.total(), _candidate(job, spec)
+            total, cand = spec.resources.total(), candidate(job, spec)
         started, timeout = attempt.started_at.timestamp(), spec.timeout_seconds if spec else None
         metrics = job.latest_metrics or {}
         progress_at = job.progress_at.timestamp() if job.progress_at else None
