@@ -40,10 +40,15 @@ class JobPublic(_Out):
     progress_at: datetime | None = None
     ray_submission_id: str | None = None
     ray_dashboard_url: str | None = None
-    # Queued jobs (GET /v1/jobs/{id}): the place admission would give it now and when it is expected to start
-    # (None: not known, e.g. a job ahead of it has no timeout_seconds); state_reason says why it waits.
-    position: Position | None = None
-    estimated_start: datetime | None = None
+    # Queued jobs (GET /v1/jobs/{id}); state_reason says why it waits.
+    position: Position | None = Field(
+        None, description="a queued job's place in the order admission would use now, in its queue and overall"
+    )
+    estimated_start: datetime | None = Field(
+        None,
+        description="when a forward replay of admission expects a queued job to start (service/estimate.py); null "
+        "when not known: a job it waits behind has no timeout_seconds, or it is more than 500 deep in the order",
+    )
     # What the user should know that did not stop the job, e.g. a strategy asked for that the train loop never applied.
     warnings: list[str] = []
     spec: dict[str, Any]
