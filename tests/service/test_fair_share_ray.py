@@ -53,6 +53,11 @@ def test_bobs_one_job_runs_second_behind_alices_running_one_not_fifth(svc: Servi
         order = sorted(starts, key=starts.__getitem__)
         assert order.index(mine) == 1, f"bob's job started {order.index(mine) + 1}th"
         assert order[0] == first and [j for j in order if j != mine] == [first, *rest]  # FIFO within alice's
-        listed = httpx.get(f"{svc.url}/v1/queues", headers={"Authorization": "Bearer tok-bob"}, timeout=10).json()
-        share = {o["owner"]: o for q in listed for o in q["owners"]}
+        # Each sees their own fair-share line only (another owner's usage is theirs): alice's usage is above bob's.
+        share = {}
+        for token in ("tok-alice", "tok-bob"):
+            listed = httpx.get(f"{svc.url}/v1/queues", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+            owners = [o for q in listed.json() for o in q["owners"]]
+            assert {o["owner"] for o in owners} == {TOKENS[token]["owner"]}, owners
+            share[TOKENS[token]["owner"]] = owners[0]
         assert share["alice"]["usage"] > share["bob"]["usage"] > 0
