@@ -22,7 +22,7 @@ demo: install
 test: install
 	$(PY) -m workers.warmup
 	rc=0; \
-	$(PY) -m pytest -m "not slow" -n 2 --dist worksteal $(PYTEST_ARGS) || rc=$$?; \
+	$(PY) -m pytest -m "not slow" -n 2 $(PYTEST_ARGS) || rc=$$?; \
 	$(PY) -m pytest -m slow $(PYTEST_ARGS) || rc=$$?; \
 	exit $$rc
 

@@ -203,8 +203,8 @@ def two_thousand(db: Engine, tmp_path: Path) -> None:
 
 
 def test_two_thousand_jobs_share_by_weight_within_quotas_and_start_when_estimated(db: Engine, tmp_path: Path) -> None:
-    """3 to 4 minutes on SQLite, 4 to 6 on PostgreSQL, on one core: in the quick tier, where pytest-xdist runs the
-    two side by side (a virtual clock: nothing here is timed, so it may share the machine)."""
+    """About 3 minutes on SQLite and 6 on PostgreSQL, on one core: in the quick tier (a virtual clock: nothing here is
+    timed, so it may share the machine with other tests)."""
     two_thousand(db, tmp_path)
 
 
