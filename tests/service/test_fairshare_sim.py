@@ -189,10 +189,11 @@ ESTIMATES_WITHIN = 0.80  # of the jobs that waited, the part whose estimated sta
 
 
 def two_thousand(db: Engine, tmp_path: Path) -> None:
-    """2,000 jobs of four owners in two teams with weights 2:1 and 2:1 within a team, one dispatcher (the
-    multi-dispatcher runs above prove the same policy under contention, each well under 2 minutes; three dispatchers
-    here take 20 minutes for the same answer). Every waiting job's estimate is taken when it is first seen waiting,
-    with the whole queue and every running job as they stand then, and compared with when it really started."""
+    """2,000 jobs of four owners in two teams (weights 2:1; within the first, alice weighs twice bob), one dispatcher
+    (the multi-dispatcher runs above prove the same policy under contention, each well under 2 minutes; three
+    dispatchers here take 20 minutes for the same answer). Every waiting job's estimate is taken when it is first
+    seen waiting, with the whole queue and every running job as they stand then, and compared with when it really
+    started."""
     summary = run(db, sim.fair(2000), 1, tmp_path, estimate=True)
     assert summary["jobs"] == 2000 and summary["shares"]["window_fraction"] > 0.9, explain(summary)
     assert summary["shares"]["max_deviation"] <= SHARE_TOLERANCE, explain(summary)
