@@ -123,7 +123,8 @@ def forecast(
         # What is held with no end known is never freed: a job that needs more than the rest never starts.
         endless = resources.sum_of(r.total for r in live if r.end is None)
         if endless != forever:
-            forever, left = endless, _less(capacity, endless)
+            forever, left = endless, dict(capacity)
+            resources.take(left, endless)
             open_ -= {j for j in open_ if not resources.fits(left, pending.get(j).cand.total())}
         for runner in [r for r in live if r.end is not None and r.end <= t]:  # overdue ones end now
             live.remove(runner)
@@ -156,9 +157,6 @@ class _Queue:
         self._owners: dict[str, list[tuple[int, float, str]]] = {}
         self._backoffs: list[tuple[float, str]] = []  # (not_before, job id), a heap
         self.projected: dict[str, int] = {}  # owner -> projected jobs waiting
-
-    def __len__(self) -> int:
-        return len(self._jobs)
 
     def get(self, job_id: str) -> Waiter:
         return self._jobs[job_id]
@@ -266,7 +264,7 @@ def _admit(
         reserve_after_seconds=policy.reserve_after_seconds,
     )  # fmt: skip
     room = resources.sum_of(free.values())
-    by_id = {r.job_id: r for r in live}
+    by_id = {r.job_id: r for r in live}  # the victims are among these: jobs admitted before this pass
     running = [scheduler.Running(r.job_id, r.priority, r.seq, r.total, yielding=r.yielding, queue=r.queue)
                for r in live]  # fmt: skip
     started = []
@@ -283,7 +281,6 @@ def _admit(
         end = None if waiter.duration is None else t + waiter.duration
         live.append(Runner(job_id, cand.owner, cand.team, cand.queue, cand.priority, cand.seq, cand.total(), end,
                            held=[(node, dict(cand.per_worker)) for node in placed], cand=cand))  # fmt: skip
-        by_id[job_id] = live[-1]
     served = scheduler.reclaim(decision, ordered, running, room, limits=policy.limits, held=held)
     if not served:
         chosen = scheduler.preemption(decision, cands, running, room, limits=policy.limits)
@@ -332,10 +329,6 @@ def _accrue(usage: Usage, live: list[Runner], t: float, until: float, fair: Fair
             book[key] *= factor
     for r in live:
         usage.add(r.owner, r.team, fairshare.decayed(fair.rate(r.total), t, until, until, fair.half_life_seconds))
-
-
-def _less(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    return {k: v - b.get(k, 0.0) for k, v in a.items()}
 
 
 def _take_spread(free: dict[str, dict[str, float]], need: dict[str, float]) -> list[tuple[str, dict[str, float]]]:
