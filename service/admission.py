@@ -70,7 +70,8 @@ def admit(
         limits, rules = queues.limits(session, settings), settings.quota_rules()
         held = standing.held(admitted, resources_of)
         usage = standing.fair_usage(session, fair, now)
-        ordered = fairshare.fair_order(candidates, usage, fair, [(j.owner, j.team, resources_of(j)) for j in admitted])
+        holding = [fairshare.Holding(j.owner, j.team, resources_of(j), _timeout(spec_of, j)) for j in admitted]
+        ordered = fairshare.fair_order(candidates, usage, fair, holding)
         decision = scheduler.plan(
             candidates,
             nodes,
@@ -139,4 +140,10 @@ def candidate(job: Job, spec: JobSpec) -> scheduler.Candidate:
         num_workers=spec.resources.num_workers,
         per_worker=spec.resources.per_worker(),
         placement=spec.resources.placement.value,
+        run_seconds=spec.timeout_seconds,
     )
+
+
+def _timeout(spec_of: SpecOf, job: Job) -> float | None:
+    spec, _ = spec_of(job)
+    return spec.timeout_seconds if spec is not None else None

@@ -140,7 +140,7 @@ def _compute(session: Session, settings: Settings, now: datetime) -> dict[str, S
     candidates = [candidate(j, s) for j in queued if (s := specs[j.id]) is not None]
     ratio = run_ratios(session, now)
     running = _running(session, now, settings.preemption_grace_seconds, ratio)
-    holding = [(r.owner, r.team, r.total) for r in running]
+    holding = [fairshare.Holding(r.owner, r.team, r.total, r.cand.run_seconds if r.cand else None) for r in running]
     usage = standing.fair_usage(session, fair, now)
     order = fairshare.fair_order(candidates, usage, fair, holding)
     by_id = {job.id: job for job in queued}

@@ -253,7 +253,7 @@ def _admit(
     if not ready:
         return []
     cands = [w.cand for w in ready]
-    holding = [(r.owner, r.team, r.total) for r in live]
+    holding = [fairshare.Holding(r.owner, r.team, r.total, r.cand.run_seconds if r.cand else None) for r in live]
     ordered = fairshare.fair_order(cands, usage, policy.fair, holding)
     held: dict[Scope, Held] = {}
     for r in live:

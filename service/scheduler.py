@@ -25,6 +25,7 @@ class Candidate:
     queue: str = "default"
     owner: str = "anonymous"
     team: str | None = None
+    run_seconds: float | None = None  # its timeout: the longest it can run once started (fair share's projection)
 
     def total(self) -> dict[str, float]:
         return resources.scaled(self.per_worker, self.num_workers)

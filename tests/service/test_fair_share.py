@@ -5,6 +5,7 @@ real SQLite file and a real PostgreSQL database."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -14,7 +15,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from service import quotas, standing
-from service.fairshare import FairShare, Usage, Use, decayed, fair_order, shares, usage_of
+from service.fairshare import FairShare, Holding, Usage, Use, decayed, fair_order, shares, usage_of
 from service.models import Attempt, Job, JobState
 from service.quotas import Held, QueueLimit, Quota, Quotas, Scope, check, parse_queue_limit
 from service.scheduler import Candidate, NodeFree, Plan, Running, plan, preemption, reclaim
@@ -248,6 +249,38 @@ def test_fair_order_counts_what_admitted_jobs_hold(
     waiting = [cand("a1", "alice", seq=1), cand("a2", "alice", seq=2), cand("b0", "bob", "red", seq=1.5)]
     if running and running[0][0] == "carl":
         waiting = [cand("a1", "alice", "blue", seq=1), cand("a2", "alice", "blue", seq=2), waiting[2]]
+    assert ids(fair_order(waiting, Usage(), FS, running)) == expected
+
+
+@pytest.mark.parametrize(
+    ("a1_seconds", "expected"),
+    [
+        # unbounded, a1 counts a whole projection (P) like b0: alice and bob tie, and FIFO puts bob's older b1 first
+        pytest.param(None, ["a1", "b0", "b1", "a2"], id="unbounded-counts-the-projection"),
+        pytest.param(2 * P, ["a1", "b0", "b1", "a2"], id="timeout-longer-than-the-projection"),
+        # a1 can run P/10 at most: alice has used less than bob after one job each, so her a2 goes before b1
+        pytest.param(P / 10, ["a1", "b0", "a2", "b1"], id="timeout-bounds-the-projection"),
+    ],
+)  # fmt: skip
+def test_a_placed_job_counts_no_longer_than_its_timeout(a1_seconds: float | None, expected: list[str]) -> None:
+    """Jobs of minutes each counted as a whole projection (an hour by default) made the order equalise what owners
+    hold now, not what they use: the heaviest owner got 0.82-0.91 of its share in 100-job simulations."""
+    a1 = replace(cand("a1", "alice", seq=1), run_seconds=a1_seconds)
+    waiting = [a1, cand("b0", "bob", seq=2), cand("b1", "bob", seq=3), cand("a2", "alice", seq=4)]
+    assert ids(fair_order(waiting, Usage(), FS)) == expected
+
+
+@pytest.mark.parametrize(
+    ("seconds", "expected"),
+    [
+        pytest.param(None, ["b0", "a1"], id="unbounded-running-job-ties-fifo"),
+        pytest.param(P / 10, ["a1", "b0"], id="running-job-near-its-timeout-counts-less"),
+        pytest.param(-5.0, ["a1", "b0"], id="past-its-timeout-counts-nothing-more"),
+    ],
+)  # fmt: skip
+def test_a_running_job_counts_no_longer_than_its_timeout(seconds: float | None, expected: list[str]) -> None:
+    waiting = [cand("a1", "alice", seq=2), cand("b0", "bob", seq=1)]
+    running = [Holding("alice", None, {"CPU": 1.0}, seconds), Holding("bob", None, {"CPU": 1.0})]
     assert ids(fair_order(waiting, Usage(), FS, running)) == expected
 
 

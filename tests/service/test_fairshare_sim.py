@@ -30,8 +30,10 @@ from service.sim_backend import SimJobs
 from service.spec import JobSpec
 
 # With 100 jobs the smaller owners run 17 each, so one job more or less is several percent of their share: the quick
-# tier (on 8 CPUs, half the rounds' work) allows +-20% (FIFO would give every owner a quarter: ratios 0.56 to 1.5).
-QUICK_SHARE_TOLERANCE = 0.20
+# tier (on 8 CPUs, half the rounds' work) allows +-10% (FIFO would give every owner a quarter: ratios 0.56 to 1.5).
+# Measured with three dispatchers, six runs: 0.015 to 0.056 (0.12 to 0.30 before a placed job's projection was
+# bounded by its timeout: service/fairshare.py).
+QUICK_SHARE_TOLERANCE = 0.10
 
 
 def run(
@@ -203,6 +205,7 @@ def two_thousand(db: Engine, tmp_path: Path) -> None:
     assert estimates["share_within"] >= ESTIMATES_WITHIN, explain(summary)
 
 
+@pytest.mark.timeout(1800)  # 13 minutes on PostgreSQL with both cores busy beside it (the default cap is 10)
 def test_two_thousand_jobs_share_by_weight_within_quotas_and_start_when_estimated(db: Engine, tmp_path: Path) -> None:
     """About 3 minutes on SQLite and 6 on PostgreSQL, on one core: in the quick tier (a virtual clock: nothing here is
     timed, so it may share the machine with other tests)."""
