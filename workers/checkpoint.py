@@ -110,7 +110,15 @@ def save(prepared: Prepared, directory: str | Path) -> Path:
     rank, size = world()
     kind = prepared.kind
     if kind is StrategyKind.deepspeed:
-        prepared.engine.save_checkpoint(str(directory / DEEPSPEED_DIR), tag=DEEPSPEED_TAG)
+        from deepspeed.checkpoint.constants import (
+            UNIVERSAL_CHECKPOINT_INFO,
+            UNIVERSAL_CHECKPOINT_VERSION_KEY,
+            UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+        )
+
+        # What `ds_to_universal` needs to turn it into a checkpoint of any world size (Megatron writes the same).
+        info = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+        prepared.engine.save_checkpoint(str(directory / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, client_state=info)
     elif kind is StrategyKind.fsdp:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -130,6 +138,8 @@ def save(prepared: Prepared, directory: str | Path) -> Path:
         "step": prepared.step,
         "epoch": prepared.epoch,
         "batch_in_epoch": prepared.batch_in_epoch,
+        "samples_in_epoch": prepared.samples_in_epoch(),
+        "batch_size": prepared.batch_size,
         "strategy": kind.value,
         "world_size": size,
         "extra": prepared.extra,
@@ -211,9 +221,13 @@ def _load_dir(prepared: Prepared, directory: Path) -> None:
     rank, _ = world()
     kind = prepared.kind
     if kind is StrategyKind.deepspeed:
-        path, _ = prepared.engine.load_checkpoint(str(directory / DEEPSPEED_DIR), tag=DEEPSPEED_TAG)
-        if path is None:
-            raise IncompleteCheckpointError(f"{directory}: DeepSpeed could not load its checkpoint")
+        saved = state.get("world_size")
+        if saved is not None and saved != world()[1]:
+            _load_deepspeed_resized(prepared, directory / DEEPSPEED_DIR, saved)
+        else:
+            path, _ = prepared.engine.load_checkpoint(str(directory / DEEPSPEED_DIR), tag=DEEPSPEED_TAG)
+            if path is None:
+                raise IncompleteCheckpointError(f"{directory}: DeepSpeed could not load its checkpoint")
     elif kind is StrategyKind.fsdp:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -236,8 +250,78 @@ def _load_dir(prepared: Prepared, directory: Path) -> None:
         if prepared.scaler is not None and (directory / "scaler.pt").is_file():
             prepared.scaler.load_state_dict(torch.load(directory / "scaler.pt", weights_only=True))
     _restore_rng(directory, rank)
-    prepared.resume_at(step=state["step"], epoch=state["epoch"], batch_in_epoch=state["batch_in_epoch"])
+    skip = skip_for(state, prepared.batch_size, world()[1])
+    if state.get("world_size") not in (None, world()[1]) and rank == 0:
+        log.info("resuming at world size %d from a checkpoint written at %d: %s samples of epoch %d read, %d batches "
+                 "skipped per rank", world()[1], state["world_size"], state.get("samples_in_epoch"), state["epoch"],
+                 skip)  # fmt: skip
+    prepared.resume_at(step=state["step"], epoch=state["epoch"], batch_in_epoch=skip)
     prepared.extra.update(state.get("extra") or {})
+
+
+def _load_deepspeed_resized(prepared: Prepared, source: Path, saved_world: int) -> None:
+    """Load a DeepSpeed checkpoint written at another data-parallel size: ZeRO's partitions are per rank, and
+    `load_checkpoint` refuses another size ("Automatic adjustment of ZeRO's optimizer state partitioning with a new
+    world size is not currently supported"). DeepSpeed's universal checkpoint is the way across: `ds_to_universal`
+    turns the partitions into one fp32 tensor per parameter (with its optimizer moments), which
+    `load_checkpoint` with `checkpoint.load_universal` re-partitions for this size, ZeRO 1, 2 and 3 alike. One rank
+    per machine converts, into a folder on that machine the others of it read; it is removed once all have loaded."""
+    import argparse
+    import contextlib
+    import io
+    import socket
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    rank, size = world()
+    token = _gather(os.urandom(8).hex() if rank == 0 else None)[0]
+    hosts = _gather(socket.gethostname())
+    converts = hosts.index(hosts[rank]) == rank  # the first rank of each machine
+    target = Path(tempfile.gettempdir(), f"shunter-ds-universal-{token}")
+    try:
+        if converts:
+            args = argparse.Namespace(
+                input_folder=str(source / DEEPSPEED_TAG), output_folder=str(target / DEEPSPEED_TAG),
+                num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                inject_missing_state=True,  # checkpoints written before shunter saved universal_checkpoint_info
+            )  # fmt: skip
+            with contextlib.redirect_stdout(io.StringIO()):
+                ds_to_universal.main(args)
+            (target / "latest_universal").write_text(DEEPSPEED_TAG)
+        _barrier()
+        engine = prepared.engine
+        engine._config.load_universal_checkpoint = True
+        try:
+            path, _ = engine.load_checkpoint(str(target), tag=DEEPSPEED_TAG)
+        finally:
+            engine._config.load_universal_checkpoint = False  # what it saves from here on is a plain checkpoint
+        if path is None:
+            raise IncompleteCheckpointError(f"{source}: DeepSpeed could not load its universal checkpoint")
+        if rank == 0:
+            log.info("DeepSpeed checkpoint of %d ranks re-partitioned for %d through a universal checkpoint",
+                     saved_world, size)  # fmt: skip
+    finally:
+        _barrier()
+        if converts:
+            shutil.rmtree(target, ignore_errors=True)
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def skip_for(state: dict[str, Any], batch_size: int | None, world_size: int) -> int:
+    """How many batches of this epoch each rank skips on resuming from a checkpoint's `state`.
+
+    At the size it was written at: the batches each rank had read. At another: the global samples it had read
+    (`samples_in_epoch`, the first ones of the epoch's permutation, see `distributed_loader`), in whole batches of the
+    new size, rounded down: no sample is skipped, and fewer than one batch per rank is read twice."""
+    batches = int(state.get("batch_in_epoch") or 0)
+    samples = state.get("samples_in_epoch")
+    if state.get("world_size") in (None, world_size) or samples is None or not batch_size:
+        return batches
+    return int(samples) // (batch_size * world_size)
 
 
 def _restore_rng(directory: Path, rank: int) -> None:

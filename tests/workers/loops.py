@@ -25,12 +25,13 @@ def tiny_model(name: str) -> torch.nn.Module:
 
 
 def tiny_data(name: str) -> TensorDataset:
+    """Each sample ends with its index, so a test can tell which samples each rank read."""
     generator = torch.Generator().manual_seed(1)
     if name == "gpt2":
         starts = torch.randint(0, 64, (32, 1), generator=generator)
-        return TensorDataset((starts + torch.arange(16)) % 17)  # a learnable pattern: next token = token + 1
+        return TensorDataset((starts + torch.arange(16)) % 17, torch.arange(32))  # next token = token + 1
     x = torch.randn(64, 8, generator=generator)
-    return TensorDataset(x, x @ torch.randn(8, 1, generator=generator))
+    return TensorDataset(x, x @ torch.randn(8, 1, generator=generator), torch.arange(64))
 
 
 def strategy_loop(config: dict[str, Any]) -> None:
@@ -56,13 +57,15 @@ def strategy_loop(config: dict[str, Any]) -> None:
         if rank == 0:
             torch.save(restored, out / f"{tag}-restored.pt")
     records: list[dict[str, Any]] = []
-    for _ in prepared.epochs(1000):
+    samples: list[list[int]] = []  # per micro-batch: (epoch, the indices this rank read)
+    for epoch in prepared.epochs(1000):
         for batch in prepared.batches():
+            samples.append([epoch, *batch[-1].tolist()])
             if name == "gpt2":
-                (ids,) = batch
+                ids, _ = batch
                 loss = prepared.model(input_ids=ids, labels=ids).loss
             else:
-                x, y = batch
+                x, y, _ = batch
                 with prepared.autocast():
                     loss = torch.nn.functional.mse_loss(prepared.model(x), y)
             if prepared.backward(loss):
@@ -79,7 +82,21 @@ def strategy_loop(config: dict[str, Any]) -> None:
                     break
         if prepared.step >= config["steps"]:
             break
+    (out / f"{tag}-samples-rank{rank}.json").write_text(json.dumps(samples))
     final = full_state_dict(prepared)
     if rank == 0:
         torch.save(final, out / f"{tag}-final.pt")
         (out / f"{tag}-records.json").write_text(json.dumps(records))
+
+
+def full_loss(name: str, state: dict[str, torch.Tensor] | None = None) -> float:
+    """The loss over the whole tiny dataset of a model with `state` (default: the weights every loop starts from)."""
+    seed_everything(0)
+    model = tiny_model(name)
+    if state is not None:
+        model.load_state_dict(state)
+    tensors = tiny_data(name).tensors
+    with torch.no_grad():
+        if name == "gpt2":
+            return float(model(input_ids=tensors[0], labels=tensors[0]).loss)
+        return float(torch.nn.functional.mse_loss(model(tensors[0]), tensors[1]))

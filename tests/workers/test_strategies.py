@@ -1,5 +1,6 @@
 """Each strategy on a real 2-worker Ray Train job (gloo): loss goes down, a checkpoint with manifest is written,
-and a run resumed from it continues with equal parameters at the right step."""
+and runs resumed from it at 3 and at 1 workers (issue 16: resume at any world size) continue with equal parameters
+at the right step, with loss still falling, and read the epoch on from where the 2 workers left it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.workers.loops import full_loss, tiny_data
 from workers.checkpoint import MANIFEST, verify
 
 # Plain DDP (no accumulation) runs in the service end-to-end tests and the driver contract test; here DDP is
@@ -25,7 +27,7 @@ CASES = {
 STEPS = 6
 
 
-def fit(tmp_path: Path, name: str, config: dict[str, Any]) -> Any:
+def fit(tmp_path: Path, name: str, config: dict[str, Any], workers: int = 2) -> Any:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -34,7 +36,7 @@ def fit(tmp_path: Path, name: str, config: dict[str, Any]) -> Any:
     trainer = TorchTrainer(
         strategy_loop,
         train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(storage_path=str(tmp_path / "storage"), name=name),
         torch_config=TorchConfig(backend="gloo"),
     )
@@ -65,13 +67,46 @@ def test_strategy_trains_checkpoints_and_resumes(
         assert (Path(local) / MANIFEST).is_file()
         assert any(name.startswith("rng-rank1") for name in manifest["files"])  # rank 1's files are covered too
 
-    # A new run (fresh name) started from that checkpoint, as shunter's `checkpoint.resume_from` does.
-    resumed = {**config, "steps": STEPS + 2, "tag": "second", "resume_from": result.checkpoint.path}
-    fit(tmp_path, f"{case}-second", resumed)
+    # New runs (fresh names) started from that checkpoint, as shunter's `checkpoint.resume_from` does, at another
+    # world size each: DDP loads rank 0's state everywhere, FSDP2's DCP reshards, DeepSpeed goes through a universal
+    # checkpoint (workers.checkpoint._load_deepspeed_resized).
     before = torch.load(tmp_path / "first-final.pt")
-    after = torch.load(tmp_path / "second-restored.pt")
-    assert before.keys() == after.keys()
-    for key in before:
-        assert torch.equal(before[key], after[key]), key
-    steps = [r["step"] for r in json.loads((tmp_path / "second-records.json").read_text())]
-    assert steps == [STEPS + 1, STEPS + 2]
+    for workers, tag in ((3, "wider"), (1, "narrower")):
+        resumed = {**config, "steps": STEPS + 2, "tag": tag, "resume_from": result.checkpoint.path}
+        fit(tmp_path, f"{case}-{tag}", resumed, workers=workers)
+        after = torch.load(tmp_path / f"{tag}-restored.pt")
+        assert before.keys() == after.keys()
+        for key in before:
+            assert torch.equal(before[key], after[key]), (tag, key)
+        later = json.loads((tmp_path / f"{tag}-records.json").read_text())
+        assert [r["step"] for r in later] == [STEPS + 1, STEPS + 2], tag
+        # Loss over the whole dataset (each record is one rank's micro-batch: too noisy to compare across runs).
+        start, trained, on = (
+            full_loss(model),
+            full_loss(model, before),
+            full_loss(model, torch.load(tmp_path / f"{tag}-final.pt")),
+        )
+        print(f"{case} resumed at {workers}: loss {start:.4f} at start, {trained:.4f} at the switch, {on:.4f} after")
+        assert on < trained < start, (tag, start, trained, on)
+        check_data_position(tmp_path, "first", tag, workers, model)
+
+
+def reads(tmp_path: Path, tag: str) -> list[list[int]]:
+    """Every micro-batch any rank of run `tag` read: [epoch, sample indices...]."""
+    return [b for f in sorted(tmp_path.glob(f"{tag}-samples-rank*.json")) for b in json.loads(f.read_text())]
+
+
+def check_data_position(tmp_path: Path, first: str, tag: str, workers: int, model: str) -> None:
+    """The resumed run reads on from the samples the first one had read of its last epoch: none skipped, and fewer
+    than one batch per rank read again. The order is the DistributedSampler's permutation (seed 0 + epoch) at every
+    world size, 1 included (workers.strategies.common.distributed_loader)."""
+    n, batch = len(tiny_data(model)), 4
+    done = reads(tmp_path, first)
+    epoch = max(b[0] for b in done)
+    seen = {i for b in done if b[0] == epoch for i in b[1:]}
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch)).tolist()
+    assert seen == set(order[: len(seen)]), "the first run read a prefix of the epoch's permutation"
+    again = {i for b in reads(tmp_path, tag) if b[0] == epoch for i in b[1:]}
+    assert again, f"{tag}: read nothing of epoch {epoch}"
+    assert min(order.index(i) for i in again) <= len(seen), f"{tag}: samples of epoch {epoch} were skipped"
+    assert len(seen & again) < workers * batch, f"{tag}: {len(seen & again)} samples read twice"

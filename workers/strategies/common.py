@@ -98,6 +98,39 @@ def scale_lr(optimizer: torch.optim.Optimizer, strategy: StrategySpec, *, micro_
     return factor
 
 
+def distributed_loader(data_loader: Any) -> Any:
+    """Ray Train's `prepare_data_loader`, with a `DistributedSampler` at one worker too.
+
+    Ray adds the sampler only above one worker; at one, a shuffling loader keeps its `RandomSampler`, whose order has
+    nothing to do with the one the job saw at two workers. With a `DistributedSampler` at every size, the permutation
+    of an epoch is the same whatever the world size (`seed + epoch`), and each rank reads every world-size-th element
+    of it: a job resumed at another size can skip exactly the samples it has seen (see `Prepared.resume_at`). A loader
+    with a sampler of the user's own, or over an `IterableDataset`, is left as Ray leaves it.
+    """
+    import ray.train.torch
+    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+
+    if (
+        isinstance(data_loader, DataLoader)
+        and world()[1] == 1
+        and type(data_loader.sampler) in (RandomSampler, SequentialSampler)
+        and not isinstance(data_loader.dataset, IterableDataset)
+        and data_loader.batch_size is not None
+    ):
+        loader = data_loader
+        extra: dict[str, Any] = {}
+        if loader.num_workers > 0:
+            extra = {"prefetch_factor": loader.prefetch_factor, "persistent_workers": loader.persistent_workers}
+        sampler = DistributedSampler(loader.dataset, num_replicas=1, rank=0,
+                                     shuffle=isinstance(loader.sampler, RandomSampler))  # fmt: skip
+        data_loader = DataLoader(
+            loader.dataset, batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
+            collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+            timeout=loader.timeout, worker_init_fn=loader.worker_init_fn, generator=loader.generator, **extra,
+        )  # fmt: skip
+    return ray.train.torch.prepare_data_loader(data_loader)
+
+
 def build_optimizer(
     optimizer: torch.optim.Optimizer | OptimizerFactory, parameters: Iterable[torch.nn.Parameter]
 ) -> torch.optim.Optimizer:
@@ -167,6 +200,17 @@ class Prepared:
                 continue
             self.batch_in_epoch = index + 1
             yield batch
+
+    @property
+    def batch_size(self) -> int | None:
+        """Samples per micro-batch on each rank (None when the loader does not say)."""
+        size = getattr(self.data_loader, "batch_size", None)
+        return int(size) if isinstance(size, int) else None
+
+    def samples_in_epoch(self) -> int | None:
+        """Samples every rank together has read this epoch: the first ones of the epoch's permutation."""
+        size = self.batch_size
+        return None if size is None else self.batch_in_epoch * size * world()[1]
 
     def resume_at(self, *, step: int, epoch: int, batch_in_epoch: int) -> None:
         self.step, self.epoch, self.batch_in_epoch = step, epoch, batch_in_epoch

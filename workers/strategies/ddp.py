@@ -13,6 +13,7 @@ from workers.strategies.common import (
     SchedulerFactory,
     build_optimizer,
     device,
+    distributed_loader,
     low_precision_dtype,
     mixed_precision,
     scale_lr,
@@ -39,7 +40,7 @@ def prepare_ddp(
     if precision is MixedPrecision.fp16:
         scaler = torch.amp.GradScaler(here.type)
     if data_loader is not None:
-        data_loader = ray.train.torch.prepare_data_loader(data_loader)
+        data_loader = distributed_loader(data_loader)
     scale_lr(opt, strategy, micro_batch_size=getattr(data_loader, "batch_size", None))
     return Prepared(
         model=wrapped,

@@ -18,6 +18,7 @@ from workers.strategies.common import (
     SchedulerFactory,
     broadcast_module,
     device,
+    distributed_loader,
     mixed_precision,
     scale_lr,
     world,
@@ -141,14 +142,13 @@ def prepare_deepspeed(
 ) -> Prepared:
     """`deepspeed.initialize` over Ray's process group; a full config's own `optimizer` section wins."""
     import deepspeed
-    import ray.train.torch
 
     here = device()
     deepspeed.init_distributed(dist_backend="nccl" if here.type == "cuda" else "gloo")
     model.to(here)
     broadcast_module(model)
     if data_loader is not None:
-        data_loader = ray.train.torch.prepare_data_loader(data_loader)
+        data_loader = distributed_loader(data_loader)
     precision = mixed_precision(strategy)
     client: torch.optim.Optimizer | None = None
     if optimizer is not None:

@@ -18,6 +18,7 @@ from workers.strategies.common import (
     broadcast_module,
     build_optimizer,
     device,
+    distributed_loader,
     local_world_size,
     low_precision_dtype,
     mixed_precision,
@@ -74,7 +75,6 @@ def prepare_fsdp(
     scheduler: SchedulerFactory | None = None,
 ) -> Prepared:
     """Shard each block then the root; the optimizer is (re)built over the sharded parameters."""
-    import ray.train.torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     options = strategy.fsdp_options
@@ -107,7 +107,7 @@ def prepare_fsdp(
 
         scaler = ShardedGradScaler()
     if data_loader is not None:
-        data_loader = ray.train.torch.prepare_data_loader(data_loader)
+        data_loader = distributed_loader(data_loader)
     scale_lr(opt, strategy, micro_batch_size=getattr(data_loader, "batch_size", None))
     return Prepared(
         model=model,
