@@ -27,6 +27,9 @@ class JobPublic(_Out):
     state: str
     state_reason: str | None = None
     attempt: int
+    world_size: int | None = Field(
+        None, description="workers of the current attempt, as admitted (an elastic job: within its min and max)"
+    )
     step: int | None = None
     loss: float | None = None
     latest_metrics: dict[str, float] | None = None

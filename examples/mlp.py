@@ -82,7 +82,7 @@ def train_loop(config: dict[str, Any]) -> None:
             if trace_path and ctx.get_world_rank() == 0:
                 with open(trace_path, "a") as trace:
                     trace.write(f"{os.environ.get('SHUNTER_ATTEMPT', '?')} {step}\n")
-            metrics = {"step": step, "loss": float(loss.item()), "epoch": epoch}
+            metrics = {"step": step, "loss": float(loss.item()), "epoch": epoch, "world_size": ctx.get_world_size()}
             if step % every == 0 or step == total_steps:
                 with tempfile.TemporaryDirectory() as tmp:
                     if ctx.get_world_rank() == 0:

@@ -84,10 +84,13 @@ def admit(
             reserve_after_seconds=settings.reserve_after_seconds,
         )
         by_id = {job.id: job for job, _ in waiting}
+        specs = {job.id: spec for job, spec in waiting}
         for job_id in decision.admit:
-            job = by_id[job_id]
+            job, res = by_id[job_id], specs[job_id].resources
+            size = decision.sizes.get(job_id, res.max_workers)
+            said = f"at {size} workers of {res.min_workers} to {res.max_workers}" if res.elastic else None
             started.append(_start_attempt(session, job, owner=owner, now=now, settings=settings,
-                                          held=resources_of(job)))  # fmt: skip
+                                          held=res.total(size), world_size=size, message=said))  # fmt: skip
         for job_id, why in decision.waiting.items():
             if by_id[job_id].state_reason != why:
                 leases.set_reason(session, job_id, why)
@@ -117,12 +120,15 @@ def admit(
 
 
 def _start_attempt(
-    session: Session, job: Job, *, owner: str, now: datetime, settings: Settings, held: dict[str, float]
-) -> Job:
+    session: Session, job: Job, *, owner: str, now: datetime, settings: Settings, held: dict[str, float],
+    world_size: int, message: str | None = None,
+) -> Job:  # fmt: skip
     number = job.attempt + 1
-    values: dict[str, Any] = {"attempt": number, "step": None, "latest_metrics": None, "progress_at": None}
+    values: dict[str, Any] = {"attempt": number, "step": None, "latest_metrics": None, "progress_at": None,
+                              "world_size": world_size}  # fmt: skip
     values.update(leases.lease_values(owner, now, settings.lease_seconds))
-    transition(session, job, to=JobState.STARTING, reason="admitted", actor=owner, values=values, now=now)
+    transition(session, job, to=JobState.STARTING, reason="admitted", actor=owner, values=values, now=now,
+               message=message)  # fmt: skip
     session.add(Attempt(job_id=job.id, number=number, submission_id=submission_id(job.id, number), started_at=now,
                         cpus=held.get("CPU", 0.0), gpus=held.get("GPU", 0.0)))  # fmt: skip
     return job
@@ -137,7 +143,8 @@ def candidate(job: Job, spec: JobSpec) -> scheduler.Candidate:
         queue=job.queue,
         owner=job.owner,
         team=job.team,
-        num_workers=spec.resources.num_workers,
+        num_workers=spec.resources.max_workers,
+        min_workers=spec.resources.min_workers if spec.resources.elastic else None,
         per_worker=spec.resources.per_worker(),
         placement=spec.resources.placement.value,
         run_seconds=spec.timeout_seconds,

@@ -119,8 +119,9 @@ class Dispatcher:
         return known
 
     def resources_of(self, job: Job) -> dict[str, float]:
+        """What an admitted job holds: its group at the size it was admitted at."""
         spec, _ = self.spec_of(job)
-        return spec.resources.total() if spec is not None else {}
+        return spec.resources.total(job.world_size) if spec is not None else {}
 
     # ---- cluster view ---------------------------------------------------------------------------------------
     def read_cluster(self) -> ClusterView | None:
@@ -215,7 +216,7 @@ class Dispatcher:
             state=JobState(fresh.state), step=fresh.step, preempt_requested_at=fresh.preempt_requested_at,
             timeout_seconds=spec.timeout_seconds if spec else None, checkpointed_since_preempt=checkpointed,
             spec_error=spec_error, script=bool(spec and spec.entrypoint.script),
-            num_workers=spec.resources.num_workers if spec else 1,
+            num_workers=spec.resources.workers(job.world_size) if spec else 1,
         )  # fmt: skip
         attempt_facts = AttemptFacts(attempt.submitted, attempt.started_at, attempt.end_reason)
         info = self.ray.info(attempt.submission_id)

@@ -256,7 +256,7 @@ def _running(session: Session, now: datetime, grace: float, ratio: Ratios) -> li
         total = {"CPU": attempt.cpus, "GPU": attempt.gpus}
         cand = None
         if spec is not None:
-            total, cand = spec.resources.total(), candidate(job, spec)
+            total, cand = spec.resources.total(job.world_size), candidate(job, spec)
         started, timeout = attempt.started_at.timestamp(), spec.timeout_seconds if spec else None
         metrics = job.latest_metrics or {}
         progress_at = job.progress_at.timestamp() if job.progress_at else None

@@ -271,6 +271,8 @@ def _admit(
     for job_id in decision.admit:
         waiter = pending.pop(job_id)
         cand = waiter.cand
+        if decision.sizes.get(job_id, cand.num_workers) != cand.num_workers:  # an elastic job, at the size it got
+            cand = replace(cand, num_workers=decision.sizes[job_id])
         placed = scheduler.place(cand, [scheduler.NodeFree(n, dict(f)) for n, f in free.items()])
         if placed is None:  # plan placed it on the same room: cannot happen, but never over-commit
             pending.add(waiter)

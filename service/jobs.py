@@ -57,25 +57,25 @@ def check_fits_cluster(spec: JobSpec, snapshot: ClusterSnapshot | None) -> None:
             field="resources.resources_per_worker",
         )
     placement = res.placement.value
-    if placement == "strict_pack" and not any(resources.fits(n["total"], res.total()) for n in nodes):
+    least = res.min_workers  # an elastic job starts at its min: that much must fit
+    if placement == "strict_pack" and not any(resources.fits(n["total"], res.total(least)) for n in nodes):
         raise InvalidSpec(
-            f"resources.placement: strict_pack needs one node with room for all {res.num_workers} workers "
-            f"({res.total()}); no node has it",
+            f"resources.placement: strict_pack needs one node with room for all {least} workers "
+            f"({res.total(least)}); no node has it",
             field="resources.placement",
         )
     if placement == "strict_spread":
         holders = sum(1 for n in nodes if resources.fits(n["total"], per_worker))
-        if res.num_workers > holders:
+        if least > holders:
             raise InvalidSpec(
-                f"resources.placement: strict_spread needs {res.num_workers} distinct nodes; only {holders} can hold "
-                "a worker",
+                f"resources.placement: strict_spread needs {least} distinct nodes; only {holders} can hold a worker",
                 field="resources.placement",
             )
     # How many workers fit on the whole cluster, node by node (a worker never spans nodes).
     capacity = sum(resources.workers_fitting(n["total"], per_worker) for n in nodes)
-    if res.num_workers > capacity:
+    if least > capacity:
         raise InvalidSpec(
-            f"resources.num_workers: {res.num_workers} workers of {per_worker} can never fit; "
+            f"resources.num_workers: {least} workers of {per_worker} can never fit; "
             f"the cluster holds at most {capacity}",
             field="resources.num_workers",
         )

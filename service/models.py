@@ -150,6 +150,7 @@ class Job(SQLModel, table=True):
     last_error: str | None = Field(default=None, sa_column=Column(Text))
     preemptions: int = 0  # attempts ended by preemption: requeued, not counted against max_attempts
     cluster_restarts: int = 0  # attempts lost with a Ray head restart: not counted unless the settings say so
+    world_size: int | None = None  # workers of the current attempt, as admitted (an elastic job: within [min, max])
     preempt_requested_at: datetime | None = Field(default=None, sa_column=_tz())
 
     # Progress, written by the job's own Train callback (fenced by attempt), read by status without asking Ray.

@@ -49,7 +49,7 @@ def usage_of(admitted: Iterable[Job], totals: Callable[[Job], dict[str, float]] 
 
 def _total(job: Job) -> dict[str, float]:
     try:
-        return JobSpec.model_validate(job.spec).resources.total()
+        return JobSpec.model_validate(job.spec).resources.total(job.world_size)  # as admitted
     except ValueError:  # a stored spec that no longer validates holds nothing; the dispatcher ends that job
         return {}
 

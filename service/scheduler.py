@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from service import quotas, resources
 from service.quotas import Held, QueueLimit, QueueUsage, Quotas, Scope
@@ -26,15 +27,25 @@ class Candidate:
     owner: str = "anonymous"
     team: str | None = None
     run_seconds: float | None = None  # its timeout: the longest it can run once started (fair share's projection)
+    min_workers: int | None = None  # an elastic group: starts at any size in [min_workers, num_workers]
 
     def total(self) -> dict[str, float]:
         return resources.scaled(self.per_worker, self.num_workers)
+
+    def least(self) -> dict[str, float]:
+        """What it needs to start: its whole group, or an elastic group's min."""
+        return resources.scaled(self.per_worker, self.min_workers or self.num_workers)
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers is not None and self.min_workers < self.num_workers
 
 
 @dataclass
 class Plan:
     admit: list[str] = field(default_factory=list)
     waiting: dict[str, str] = field(default_factory=dict)  # job id -> why it waits, for `state_reason`
+    sizes: dict[str, int] = field(default_factory=dict)  # job id -> workers it starts with (elastic jobs)
 
 
 @dataclass
@@ -72,6 +83,35 @@ def place(candidate: Candidate, nodes: list[NodeFree]) -> list[str] | None:
         resources.take(free[node_id], need)
         chosen.append(node_id)
     return chosen
+
+
+def sized(
+    cand: Candidate, nodes: list[NodeFree], check: Callable[[dict[str, float]], str | None]
+) -> tuple[Candidate, list[str] | None, str | None]:
+    """The candidate at the size it starts with, its placement (None: no room), and the quota or limit it is over
+    (None: within all). A rigid group has one size; an elastic one gets the most workers in [min, max] that both fit
+    and stay within `check`, by bisection (both only get harder as the group grows), or, if even its min does not,
+    its min with the reason."""
+
+    def at(n: int) -> tuple[Candidate, list[str] | None, str | None]:
+        c = cand if n == cand.num_workers else replace(cand, num_workers=n)
+        reason = check(c.total())
+        return c, (None if reason else place(c, nodes)), reason
+
+    if not cand.elastic:
+        return at(cand.num_workers)
+    best = at(cand.min_workers or 1)
+    if best[1] is None:
+        return best
+    lo, hi = (cand.min_workers or 1) + 1, cand.num_workers
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        tried = at(mid)
+        if tried[1] is not None:
+            best, lo = tried, mid + 1
+        else:
+            hi = mid - 1
+    return best
 
 
 def order(candidates: list[Candidate]) -> list[Candidate]:
@@ -114,13 +154,16 @@ def plan(
         if holder is not None:
             result.waiting[cand.job_id] = f"held behind {holder.job_id}, which has waited longest for room"
             continue
+
+        def check(total: dict[str, float], cand: Candidate = cand) -> str | None:
+            return quotas.check(total, cand.queue, cand.owner, cand.team, limits=limits, quotas=rules, held=scoped,
+                                gpu_hours=gpu_hours)  # fmt: skip
+
+        cand, placed, reason = sized(cand, free_nodes, check)
         total = cand.total()
-        reason = quotas.check(total, cand.queue, cand.owner, cand.team, limits=limits, quotas=rules, held=scoped,
-                              gpu_hours=gpu_hours)  # fmt: skip
         if reason:
             result.waiting[cand.job_id] = reason
             continue
-        placed = place(cand, free_nodes)
         if placed is None:
             result.waiting[cand.job_id] = f"{WAITING_FOR_ROOM} for {cand.num_workers} x {cand.per_worker}"
             starving = reserve_after_seconds is not None and now - cand.seq >= reserve_after_seconds
@@ -132,6 +175,7 @@ def plan(
             resources.take(by_id[node_id].free, cand.per_worker)
         quotas.count(scoped, total, cand.queue, cand.owner, cand.team)
         result.admit.append(cand.job_id)
+        result.sizes[cand.job_id] = cand.num_workers
     return result
 
 
@@ -170,7 +214,7 @@ def preemption(
         return None
     if any(r.yielding for r in running):
         return None
-    need, room = blocked.total(), dict(free)
+    need, room = blocked.least(), dict(free)
     victims: list[str] = []
     eligible = (r for r in running if r.queue == blocked.queue and r.priority < blocked.priority)
     for job in sorted(eligible, key=lambda r: (r.priority, -r.seq)):
@@ -207,7 +251,7 @@ def reclaim(
         limit = limits.get(cand.queue)
         if limit is None or limit.cohort is None or not why.startswith(WAITING_FOR_ROOM):
             continue
-        need, mine = cand.total(), scoped.get(("queue", cand.queue), Held())
+        need, mine = cand.least(), scoped.get(("queue", cand.queue), Held())
         capped = [r for r, _, _ in quotas.RESOURCES if limit.nominal(r) is not None and need.get(r, 0.0) > 0]
         if not capped or any(mine.of(r) + need.get(r, 0.0) > (limit.nominal(r) or 0.0) + 1e-9 for r in capped):
             continue  # not a lender asking back its own quota

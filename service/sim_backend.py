@@ -127,7 +127,8 @@ class SimJobs:
                 return False
             self._catch_up()
             now = self._stamp()
-            run = SimRun(submission_id, job_id, attempt, res.per_worker(), res.num_workers, res.placement.value,
+            workers = res.workers(int(env["SHUNTER_WORLD_SIZE"]) if env.get("SHUNTER_WORLD_SIZE") else None)
+            run = SimRun(submission_id, job_id, attempt, res.per_worker(), workers, res.placement.value,
                          seconds, steps, submitted=now)  # fmt: skip
             self._runs[submission_id] = run
             self._pending.append(run)

@@ -149,11 +149,45 @@ class Placement(str, Enum):
         return self.value.upper()
 
 
+MAX_WORKERS = 4096
+
+
+class WorkerRange(StrictModel):
+    """An elastic worker group: admitted at the most workers in [min, max] that fit (gang semantics hold for min)."""
+
+    min: int = Field(ge=1, le=MAX_WORKERS)
+    max: int = Field(ge=1, le=MAX_WORKERS)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> WorkerRange:
+        if self.max < self.min:
+            raise field_error(("max",), f"must be at least min ({self.min})", self.max, "WorkerRange")
+        return self
+
+
 class Resources(StrictModel):
-    num_workers: int = Field(1, ge=1, le=4096)
+    num_workers: int | WorkerRange = Field(1, description='workers, or {"min": m, "max": n} for an elastic group')
     use_gpu: StrictBool = False
     resources_per_worker: dict[str, float | int | str] = Field(default_factory=dict)
     placement: Placement = Placement.pack
+
+    @field_validator("num_workers", mode="wrap")
+    @classmethod
+    def _workers(cls, value: Any, handler: Any) -> int | WorkerRange:
+        """One error naming the field (not one per member of the union): an integer, or a {min, max} range."""
+        if isinstance(value, WorkerRange):
+            return value
+        if isinstance(value, dict):
+            try:
+                return WorkerRange.model_validate(value)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                raise field_error(tuple(first["loc"]), first["msg"], first.get("input"), "Resources") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError('an integer number of workers, or {"min": m, "max": n} for an elastic group')
+        if not 1 <= value <= MAX_WORKERS:
+            raise ValueError(f"must be between 1 and {MAX_WORKERS}")
+        return value
 
     @field_validator("resources_per_worker", mode="before")
     @classmethod
@@ -178,8 +212,25 @@ class Resources(StrictModel):
             out[key] = float(parse_memory(amount)) if key == "memory" else float(amount)
         return {k: v for k, v in out.items() if v > 0}
 
-    def total(self) -> dict[str, float]:
-        return resources.scaled(self.per_worker(), self.num_workers)
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers.min if isinstance(self.num_workers, WorkerRange) else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers.max if isinstance(self.num_workers, WorkerRange) else self.num_workers
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers < self.max_workers
+
+    def workers(self, world_size: int | None = None) -> int:
+        """`world_size` (the size a job was admitted at) within [min, max]; its max without one."""
+        return self.max_workers if world_size is None else min(max(world_size, self.min_workers), self.max_workers)
+
+    def total(self, world_size: int | None = None) -> dict[str, float]:
+        """What the whole group holds: at `world_size` workers (see `workers`), default the most it may run."""
+        return resources.scaled(self.per_worker(), self.workers(world_size))
 
 
 class Retries(StrictModel):
@@ -254,7 +305,9 @@ class JobSpec(StrictModel):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> JobSpec:
-        self.strategy.check_against(use_gpu=self.resources.use_gpu, num_workers=self.resources.num_workers)
+        res = self.resources
+        for size in range(res.min_workers, res.max_workers + 1):  # an elastic job may run at any size of its range
+            self.strategy.check_against(use_gpu=res.use_gpu, num_workers=size)
         too_deep = self.nesting_problem(MAX_SPEC_DEPTH)
         if too_deep:
             field, where = too_deep

@@ -75,6 +75,8 @@ def build(session: Session, job: Job, spec: JobSpec, settings: Settings) -> Subm
             "SHUNTER_JOB_STORAGE": job_storage(spec, settings),
             "SHUNTER_PROGRESS_URL": progress_url(settings),
             "SHUNTER_ATTEMPT_TOKEN": attempt_tokens.issue(job.id, job.attempt, key),
+            # The size admission gave this attempt (an elastic job's is within its range).
+            "SHUNTER_WORLD_SIZE": str(spec.resources.workers(job.world_size)),
         }
     )
     resume = resume_uri(session, job, spec)

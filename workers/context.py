@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from service.spec import JobSpec
+from service.spec import JobSpec, Resources
 from workers.attempt_api import AttemptApi
 
 ENV_JOB_ID = "SHUNTER_JOB_ID"
@@ -20,6 +20,7 @@ ENV_ATTEMPT = "SHUNTER_ATTEMPT"
 ENV_STORAGE = "SHUNTER_JOB_STORAGE"
 ENV_PROGRESS_URL = "SHUNTER_PROGRESS_URL"  # the shunter API the job reports to
 ENV_ATTEMPT_TOKEN = "SHUNTER_ATTEMPT_TOKEN"  # good only for this attempt's rows (service.attempt_tokens)
+ENV_WORLD_SIZE = "SHUNTER_WORLD_SIZE"  # the workers admission gave this attempt
 # A reserved metric key: every report made through a `Prepared` (workers.strategies.prepare) names the strategy it
 # applied, so the Train callback can tell a loop that applied the spec's strategy from plain Ray Train code.
 STRATEGY_METRIC = "_shunter_strategy"
@@ -41,6 +42,13 @@ def attempt_api() -> AttemptApi | None:
     if not (url and token and job):
         return None
     return AttemptApi(url=url, token=token, job_id=job, attempt=attempt())
+
+
+def world_size(res: Resources) -> int:
+    """The workers this attempt runs: what admission gave it (an elastic job's size within its range), else the
+    spec's number (its max for a range)."""
+    given = os.environ.get(ENV_WORLD_SIZE, "")
+    return res.workers(int(given) if given.isdigit() else None)
 
 
 def job_id() -> str | None:

@@ -89,7 +89,7 @@ def build_trainer(spec, *, job_id: str, attempt: int, storage: str, api: Attempt
     res = spec.resources
     per_worker = res.per_worker()
     scaling = ScalingConfig(
-        num_workers=res.num_workers,
+        num_workers=context.world_size(res),  # the size admission gave the attempt (elastic: within its range)
         use_gpu=res.use_gpu,
         resources_per_worker=per_worker,
         placement_strategy=res.placement.ray_strategy,
@@ -148,7 +148,7 @@ def main() -> int:
     attempt = context.attempt()
     storage = os.environ.get(context.ENV_STORAGE) or os.path.abspath("shunter-checkpoints")
     api = context.attempt_api()
-    log.info("job %s attempt %d: %d x %s, strategy %s", job_id, attempt, spec.resources.num_workers,
+    log.info("job %s attempt %d: %d x %s, strategy %s", job_id, attempt, context.world_size(spec.resources),
              spec.resources.per_worker(), spec.strategy.kind.value)  # fmt: skip
 
     import ray

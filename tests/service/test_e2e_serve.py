@@ -70,6 +70,21 @@ def test_submit_runs_to_success_with_checkpoint(service: Service, ray_head: Loca
         assert [j.id for j in listed.items] == [job.id]
 
 
+def test_elastic_job_starts_at_the_size_that_fits_and_trains_at_it(service: Service, ray_head: LocalHead) -> None:
+    """Issue 16: `num_workers: {min: 1, max: 8}` on the 4-CPU test head starts at what is free (at most 4) instead of
+    waiting for 8, says its size, holds that much, and Ray Train runs exactly that many workers."""
+    spec = mlp_spec(total_steps=10, checkpoint_every=5)
+    spec["resources"] = {"num_workers": {"min": 1, "max": 8}, "resources_per_worker": {"CPU": 1}}
+    with service.client() as c:
+        job = c.wait(c.submit(spec).id, timeout=240)
+        assert job.state == "SUCCEEDED", job.last_error
+        assert job.world_size is not None and 1 <= job.world_size <= 4, job.world_size
+        assert job.latest_metrics and job.latest_metrics["world_size"] == job.world_size  # what Ray Train ran
+        admitted = [e.message for e in c.events(job.id) if e.reason == "admitted"]
+        assert admitted == [f"at {job.world_size} workers of 1 to 8"]
+        assert c.get(job.id).spec["resources"]["num_workers"] == {"min": 1, "max": 8}
+
+
 def test_cancel_running_job_stops_ray_job_and_workers(service: Service, ray_head: LocalHead) -> None:
     with service.client() as c:
         job = c.submit(mlp_spec(total_steps=100_000, step_sleep=0.05))

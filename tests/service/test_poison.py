@@ -261,6 +261,7 @@ def test_a_write_the_database_refuses_ends_that_job_after_patience_not_never(tmp
             with engine.begin() as conn:  # with the columns later releases added (the enum value stays missing)
                 for statement in (
                     "ALTER TABLE jobs ADD COLUMN team VARCHAR(128)",
+                    "ALTER TABLE jobs ADD COLUMN world_size INTEGER",
                     "ALTER TABLE attempts ADD COLUMN cpus FLOAT NOT NULL DEFAULT 0",
                     "ALTER TABLE attempts ADD COLUMN gpus FLOAT NOT NULL DEFAULT 0",
                     "ALTER TABLE queues ADD COLUMN owner_quota JSON, ADD COLUMN team_quota JSON, "

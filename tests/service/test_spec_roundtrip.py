@@ -72,7 +72,8 @@ def entrypoints(draw: st.DrawFn) -> dict[str, Any]:
 @st.composite
 def resources(draw: st.DrawFn) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    optional(draw, out, "num_workers", st.integers(1, 16))
+    ranges = st.tuples(st.integers(1, 16), st.integers(0, 16)).map(lambda t: {"min": t[0], "max": t[0] + t[1]})
+    optional(draw, out, "num_workers", st.integers(1, 16) | ranges)  # a number, or an elastic {min, max}
     optional(draw, out, "use_gpu", st.booleans())
     optional(draw, out, "placement", st.sampled_from(["pack", "spread", "strict_pack", "strict_spread"]))
     if draw(st.booleans()):
@@ -206,7 +207,8 @@ def spec_bodies(draw: st.DrawFn) -> dict[str, Any]:
     if res or draw(st.booleans()):
         body["resources"] = res
     workers, use_gpu = res.get("num_workers", 1), res.get("use_gpu", False)
-    optional(draw, body, "strategy", strategies(workers=workers, use_gpu=use_gpu))
+    if isinstance(workers, int):  # the strategies drawn suit one size; a range's are tested in test_elastic.py
+        optional(draw, body, "strategy", strategies(workers=workers, use_gpu=use_gpu))
     optional(draw, body, "name", st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True))
     optional(draw, body, "queue", st.sampled_from(["default", "gpu", "batch-2", "a_b"]))
     optional(draw, body, "priority", st.integers(-1000, 1000))
