@@ -205,10 +205,14 @@ def two_thousand(db: Engine, tmp_path: Path) -> None:
     assert estimates["share_within"] >= ESTIMATES_WITHIN, explain(summary)
 
 
-@pytest.mark.timeout(1800)  # 13 minutes on PostgreSQL with both cores busy beside it (the default cap is 10)
+# SQLite only in the suite: the same 2,000 jobs on PostgreSQL take 6 to 10 minutes of one core more, and the whole CI
+# run must stay well inside its 90 (it took 75 on a slow day). The policy runs on PostgreSQL in the three-dispatcher
+# tests above; `python -m bench.fairshare_sim --jobs 2000 --dispatchers 1 --db postgres` is the long run there.
+@pytest.mark.parametrize("db", ["sqlite"], indirect=True)
+@pytest.mark.timeout(1800)  # 6 minutes on SQLite with both cores busy beside it (the default cap is 10)
 def test_two_thousand_jobs_share_by_weight_within_quotas_and_start_when_estimated(db: Engine, tmp_path: Path) -> None:
-    """About 3 minutes on SQLite and 6 on PostgreSQL, on one core: in the quick tier (a virtual clock: nothing here is
-    timed, so it may share the machine with other tests)."""
+    """About 3 minutes on one idle core: in the quick tier (a virtual clock: nothing here is timed, so it may share
+    the machine with other tests)."""
     two_thousand(db, tmp_path)
 
 
