@@ -218,11 +218,12 @@ def _load_dir(prepared: Prepared, directory: Path) -> None:
         raise IncompleteCheckpointError(
             f"{directory}: written by strategy {state['strategy']}, cannot resume under {prepared.kind.value}"
         )
-    rank, _ = world()
+    rank, size = world()
+    saved = state.get("world_size")
+    resized = saved is not None and saved != size
     kind = prepared.kind
     if kind is StrategyKind.deepspeed:
-        saved = state.get("world_size")
-        if saved is not None and saved != world()[1]:
+        if resized:
             _load_deepspeed_resized(prepared, directory / DEEPSPEED_DIR, saved)
         else:
             path, _ = prepared.engine.load_checkpoint(str(directory / DEEPSPEED_DIR), tag=DEEPSPEED_TAG)
@@ -250,10 +251,10 @@ def _load_dir(prepared: Prepared, directory: Path) -> None:
         if prepared.scaler is not None and (directory / "scaler.pt").is_file():
             prepared.scaler.load_state_dict(torch.load(directory / "scaler.pt", weights_only=True))
     _restore_rng(directory, rank)
-    skip = skip_for(state, prepared.batch_size, world()[1])
-    if state.get("world_size") not in (None, world()[1]) and rank == 0:
+    skip = skip_for(state, prepared.batch_size, size)
+    if resized and rank == 0:
         log.info("resuming at world size %d from a checkpoint written at %d: %s samples of epoch %d read, %d batches "
-                 "skipped per rank", world()[1], state["world_size"], state.get("samples_in_epoch"), state["epoch"],
+                 "skipped per rank", size, saved, state.get("samples_in_epoch"), state["epoch"],
                  skip)  # fmt: skip
     prepared.resume_at(step=state["step"], epoch=state["epoch"], batch_in_epoch=skip)
     prepared.extra.update(state.get("extra") or {})
