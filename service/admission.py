@@ -124,6 +124,12 @@ def _start_attempt(
     world_size: int, message: str | None = None,
 ) -> Job:  # fmt: skip
     number = job.attempt + 1
+    before = job.world_size  # the size of the attempt before (None: the first one)
+    if before is not None and before != world_size:
+        grew = "grows" if world_size > before else "shrinks"
+        record_event(session, job.id, kind=EventKind.RESIZED, reason="resized", attempt=number, actor=owner, at=now,
+                     message=f"{grew} from {before} to {world_size} workers (attempt {number} resumes from the "
+                             f"latest checkpoint at the new size)")  # fmt: skip
     values: dict[str, Any] = {"attempt": number, "step": None, "latest_metrics": None, "progress_at": None,
                               "world_size": world_size}  # fmt: skip
     values.update(leases.lease_values(owner, now, settings.lease_seconds))

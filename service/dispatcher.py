@@ -25,7 +25,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlmodel import Session, col, select
 
-from service import admission, leases, retry, submission
+from service import admission, leases, progress, retry, submission
 from service.backend import Backend, ClusterView, NodeView, submission_id
 from service.db import JOB_DATA_ERRORS, session_scope
 from service.errors import InfraError, InvalidSpec, StaleWrite
@@ -148,11 +148,8 @@ class Dispatcher:
         with session_scope(self.engine) as session:
             snap = session.get(ClusterSnapshot, 1) or ClusterSnapshot(id=1)
             snap.dashboard_url = self.ray.dashboard_url
-            snap.nodes = [
-                {"node_id": n.node_id, "address": n.address, "alive": n.alive, "total": n.total,
-                 "available": n.available}
-                for n in cluster.nodes
-            ]  # fmt: skip
+            snap.nodes = [{"node_id": n.node_id, "address": n.address, "alive": n.alive, "total": n.total,
+                           "available": n.available} for n in cluster.nodes]  # fmt: skip
             snap.total, snap.available, snap.taken_at = cluster.total, cluster.available, utcnow()
             session.add(snap)
 
@@ -310,12 +307,17 @@ class Dispatcher:
                 row.log_uri = log_uri
                 session.add(row)
             if decision.retry:
-                record_event(session, job.id, kind=EventKind.RETRY, reason="retry_decided", message=decision.why,
-                             attempt=job.attempt, actor=self.owner)  # fmt: skip
+                resumes = progress.steps_lost(session, job.id)
+                if reason is EndReason.NODE_DRAINING:
+                    record_event(session, job.id, kind=EventKind.DRAIN, reason="node_draining", attempt=job.attempt,
+                                 message=f"{message[-1500:]}; {resumes}", actor=self.owner)  # fmt: skip
+                record_event(session, job.id, kind=EventKind.RETRY, reason="retry_decided",
+                             message=f"{decision.why}; {resumes}", attempt=job.attempt, actor=self.owner)  # fmt: skip
                 values = {"not_before": now + timedelta(seconds=decision.delay_seconds), "last_error": message[-4000:],
                           "preempt_requested_at": None}  # fmt: skip
-                if reason is EndReason.PREEMPTED:
+                if reason in (EndReason.PREEMPTED, EndReason.NODE_DRAINING):  # not failures: not counted
                     values.update(preemptions=job.preemptions + 1, last_error=None)
+                if reason is EndReason.PREEMPTED:
                     message = "preempted to make room for another job (its preemption_requested event says which)"
                 elif reason is EndReason.CLUSTER_RESTARTED:
                     values.update(cluster_restarts=job.cluster_restarts + 1)

@@ -54,6 +54,7 @@ class EndReason(str, Enum):
     TIMEOUT = "timeout"
     CANCELLED = "cancelled"
     PREEMPTED = "preempted"  # stopped to make room for a higher-priority job; requeued, not a failure
+    NODE_DRAINING = "node_draining"  # a node announced its end: checkpointed and stopped; requeued, not a failure
     CLUSTER_RESTARTED = "cluster_restarted"  # the Ray head restarted and lost its Jobs: not the job's fault
     INFRA = "infra"  # Ray or shunter itself failed: submission refused, driver vanished
 
@@ -79,6 +80,8 @@ class EventKind(str, Enum):
     CHECKPOINT = "checkpoint"  # a checkpoint was reported
     WARNING = "warning"  # something the user should know that did not end the job
     HOST = "host"  # a fault of shunter's own host while handling the job (skipped, retried next tick)
+    DRAIN = "drain"  # a node of the attempt announced its end: the notice, the checkpoint, the steps lost
+    RESIZED = "resized"  # an elastic job's attempt runs at another world size than the one before
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -148,7 +151,9 @@ class Job(SQLModel, table=True):
 
     end_reason: EndReason | None = Field(default=None, max_length=32)
     last_error: str | None = Field(default=None, sa_column=Column(Text))
-    preemptions: int = 0  # attempts ended by preemption: requeued, not counted against max_attempts
+    # Attempts ended by preemption (to make room for another job, or on a node's drain notice): requeued, not counted
+    # against max_attempts.
+    preemptions: int = 0
     cluster_restarts: int = 0  # attempts lost with a Ray head restart: not counted unless the settings say so
     world_size: int | None = None  # workers of the current attempt, as admitted (an elastic job: within [min, max])
     preempt_requested_at: datetime | None = Field(default=None, sa_column=_tz())

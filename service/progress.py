@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import update
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from service.db import begin_write
 from service.models import ACTIVE_STATES, Attempt, Checkpoint, EndReason, EventKind, Job, JobEvent, Metric, utcnow
@@ -226,3 +226,19 @@ def record_attempt_end(engine: Engine, *, job_id: str, attempt: int, reason: End
             session.commit()
             return True
     return False
+
+
+def steps_lost(session: Session, job_id: str) -> str:
+    """Where the next attempt resumes and what the ended one trained past it: the job's last reported step less the
+    step of its newest complete checkpoint (the one a retry resumes from), e.g. "resumes from step 40; 0 steps lost"."""
+    job = session.get(Job, job_id)
+    last = job.step if job is not None else None
+    resume = session.exec(
+        select(Checkpoint.step)
+        .where(Checkpoint.job_id == job_id, col(Checkpoint.complete), col(Checkpoint.step).is_not(None))
+        .order_by(col(Checkpoint.step).desc())
+        .limit(1)
+    ).first()
+    if resume is None:
+        return "no checkpoint: resumes from the start" + (f"; {last} steps lost" if last else "")
+    return f"resumes from step {resume}; {max(0, (last or 0) - resume)} steps lost"

@@ -35,12 +35,16 @@ def decide(
         return RetryDecision(False, why="succeeded")
     if reason is EndReason.PREEMPTED:
         return RetryDecision(True, why="preempted: back to the queue, resuming from its checkpoint")
+    if reason is EndReason.NODE_DRAINING:
+        return RetryDecision(True, why="a node of the attempt is draining: it checkpointed and stopped; back to the "
+                             "queue at once to resume on the nodes that stay; this does not count against "
+                             "max_attempts")  # fmt: skip
     if reason is EndReason.CLUSTER_RESTARTED and not count_cluster_restarts:
         delay = min(backoff_seconds, max_backoff_seconds)
         return RetryDecision(True, delay_seconds=delay, why="the Ray head restarted and lost the attempt: resuming "
                              "from its checkpoint; this does not count against max_attempts")  # fmt: skip
-    # Preempted attempts were not failures, nor (unless counted) those a head restart took: they do not use up
-    # max_attempts.
+    # Preempted attempts (for another job, or on a drain notice) were not failures, nor (unless counted) those a head
+    # restart took: they do not use up max_attempts.
     attempt -= preemptions + (0 if count_cluster_restarts else cluster_restarts)
     if not (reason.is_retryable() or (reason is EndReason.TIMEOUT and retry_on_timeout)):
         return RetryDecision(False, why=f"{reason.value} is not retryable")

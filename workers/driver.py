@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from service.models import EndReason
 from service.strategy import StrategyKind
 from workers import context
+from workers.drain import drained_value
 
 if TYPE_CHECKING:
     from service.spec import JobSpec
@@ -37,6 +38,8 @@ def classify_failure(exc: BaseException) -> EndReason:
     names |= {type(exc).__name__}
     text = " ".join(f"{type(e).__name__}: {e}" for e in [exc, *failures])
     lowered = text.lower()
+    if "PreemptionError" in names:  # a node's drain deadline passed before the loop checkpointed and stopped
+        return EndReason.NODE_DRAINING
     if "OutOfMemoryError" in names or "cuda out of memory" in lowered or "running low on memory" in lowered:
         return EndReason.OUT_OF_MEMORY
     if names & {"NCCLHangError", "CollectiveTimeoutError", "BroadcastCollectiveTimeoutError"} or (
@@ -107,7 +110,9 @@ def build_trainer(spec, *, job_id: str, attempt: int, storage: str, api: Attempt
         storage_path=storage_path,
         storage_filesystem=filesystem,
         checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep),
-        failure_config=FailureConfig(max_failures=spec.retries.max_worker_failures),
+        # A drain notice is shunter's to act on (workers.drain), and a deadline that passes first ends the attempt
+        # (PreemptionError: node_draining) for the dispatcher to retry through admission, not Ray in place.
+        failure_config=FailureConfig(max_failures=spec.retries.max_worker_failures, max_preemption_failures=0),
         callbacks=callbacks,
     )
     train_loop, loop_config = train_loop_for(spec)
@@ -169,6 +174,16 @@ def run(spec: JobSpec, *, job_id: str, attempt: int, storage: str, api: AttemptA
         log.info("training finished; final checkpoint: %s", getattr(result.checkpoint, "path", None))
         if api is not None:
             report_final(api, result, keep=spec.checkpoint.keep)
+        drained = drained_value(getattr(result, "return_value", None))
+        if drained is not None:  # stopped on a drain notice once its checkpoint was written (workers.drain)
+            from workers.drain import NodeDraining
+
+            message = str(NodeDraining(drained.get("notice") or {}, drained.get("step")))
+            log.info("%s", message)
+            reason = EndReason.NODE_DRAINING
+            if api is not None:
+                _record_end(api, reason, message)
+            return reason, message
         expected = strategy_to_check(spec)
         if expected and api is not None:
             # The Train callback checked the first report; this covers a run with none. (A failed run that never
@@ -183,11 +198,15 @@ def run(spec: JobSpec, *, job_id: str, attempt: int, storage: str, api: AttemptA
         message = f"{type(exc).__name__}: {exc}"
         traceback.print_exc()
     if api is not None and reason is not EndReason.SUCCEEDED:
-        try:
-            api.end(reason.value, message, patience=FINAL_PATIENCE_SECONDS)
-        except Exception:  # noqa: BLE001 - the exit code still tells the dispatcher the attempt failed
-            log.exception("could not record the end of the attempt")
+        _record_end(api, reason, message)
     return reason, message
+
+
+def _record_end(api: AttemptApi, reason: EndReason, message: str) -> None:
+    try:
+        api.end(reason.value, message, patience=FINAL_PATIENCE_SECONDS)
+    except Exception:  # noqa: BLE001 - the exit code still tells the dispatcher the attempt did not succeed
+        log.exception("could not record the end of the attempt")
 
 
 FINAL_PATIENCE_SECONDS = 60.0  # the last word of an attempt waits this long for an API that is restarting

@@ -28,13 +28,17 @@ def train_loop_for(spec: JobSpec) -> tuple[Callable[[dict[str, Any]], None], dic
 def run_loop(config: dict[str, Any], *, loop: Callable[..., Any], announce: bool = True) -> Any:
     """Run the job's own train loop on this worker, after rank 0 has reported the checkpoint it resumes from and,
     with `announce`, that every rank's loop has started (RUNNING); the loop is called as Ray Train would call it
-    (with the config when it takes an argument)."""
+    (with the config when it takes an argument). A loop stopped by a drain notice returns `workers.drain.drained`."""
+    from workers.drain import NodeDraining, drained
     from workers.progress import announce_started, report_restored
 
     report_restored()
     if announce:
         announce_started()
-    return loop(config) if _takes_config(loop) else loop()
+    try:
+        return loop(config) if _takes_config(loop) else loop()
+    except NodeDraining as stop:  # the drain checkpoint is written on every rank: end the run cleanly
+        return drained(stop)
 
 
 def _takes_config(loop: Callable[..., Any]) -> bool:

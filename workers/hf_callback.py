@@ -9,6 +9,8 @@ process:
 - `on_save` (every process, each may write files of its own into the folder): `saved/checkpoint-<global_step>@<local
   rank>` in the control directory (`SHUNTER_SCRIPT_CONTROL`), holding the checkpoint's absolute path; once every
   local rank of a node marked it, that node's output syncer may seal its part of the checkpoint;
+- `on_step_end` (every process): a drain notice its Ray worker passed on (`workers.drain.DRAIN_FILE`), agreed across
+  ranks, saves at that step and ends training; `on_save` then marks `drained`, and the attempt stops there;
 - when made: `hf-callback` in the control directory, which tells the parent's stdout reader
   (`workers.script_progress.StdoutProgress`) to leave the Trainer's printed logs to this callback.
 
@@ -46,6 +48,7 @@ def numeric_logs(logs: dict[str, Any] | None) -> dict[str, float]:
 class ShunterCallback(TrainerCallback):
     def __init__(self) -> None:
         self.markers = CallbackMarkers.from_env()  # None outside shunter's script mode
+        self.draining = False  # saving on a drain notice, then stopping
         if self.markers is not None:
             try:
                 self.markers.callback_started()
@@ -62,11 +65,43 @@ class ShunterCallback(TrainerCallback):
 
         report(step=state.global_step, **numeric_logs(logs))
 
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """On a drain notice (agreed across the script's ranks): save at this step and end training."""
+        if self.markers is None or self.draining:
+            return
+        if drain_agreed(self.markers.control_dir):
+            self.draining = True
+            control.should_save = True
+            control.should_training_stop = True
+            log.warning("shunter: a node of this job is draining: saving at step %d and stopping", state.global_step)
+
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.markers is None:
             return
         checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")  # Trainer._save_checkpoint's
         try:
             self.markers.checkpoint_saved(checkpoint, local_rank=int(os.environ.get("LOCAL_RANK") or 0))
+            if self.draining:
+                from workers.drain import mark_script_drained
+
+                mark_script_drained(self.markers.control_dir, state.global_step)
         except OSError as exc:
             log.warning("shunter: could not mark checkpoint %s as saved: %s", checkpoint, exc)
+
+
+def drain_agreed(control_dir: os.PathLike[str] | str) -> bool:
+    """Whether the Ray worker of any rank passed on a drain notice (`workers.drain.DRAIN_FILE`): every rank's own view,
+    agreed by an all-reduce in the script's process group, so that all of them save at the same step."""
+    from workers.drain import DRAIN_FILE
+
+    seen = os.path.exists(os.path.join(control_dir, DRAIN_FILE))
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return seen
+    import torch
+
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([1 if seen else 0], device=on)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())

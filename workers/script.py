@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from workers import drain
 from workers.context import locate
 
 log = logging.getLogger(__name__)
@@ -338,6 +339,8 @@ def run_script(config: dict[str, Any]) -> None:
         command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
     )
     code = None
+    watching = threading.Event()
+    drain.watch_for_script(layout.control, watching)  # a drain notice, passed on to the script's Trainer callback
     try:
         announce_started()  # every rank's script process is up
         progress = stdout_progress(layout) if rank == 0 else None
@@ -352,6 +355,7 @@ def run_script(config: dict[str, Any]) -> None:
         if code == 0 and outputs_uri is not None:
             barrier()  # every rank's script is done writing before the node's last sync (on failure Ray aborts)
     finally:
+        watching.set()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
@@ -363,5 +367,8 @@ def run_script(config: dict[str, Any]) -> None:
                                 f"{env['RANK']} (from outside: the OOM killer, an operator, a lost host)")  # fmt: skip
     if code != 0:
         raise RuntimeError(f"script {config['script']} exited with code {code} on rank {env['RANK']}")
+    stopped = drain.script_stopped(layout.control)
+    if stopped is not None:  # its Trainer saved on a drain notice and ended training: the attempt stops here
+        raise stopped
     if syncer is not None:
         shutil.rmtree(layout.root, ignore_errors=True)  # all of it is in storage now

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -174,7 +175,7 @@ class MultiNode:
 
 
 @contextlib.contextmanager
-def _multinode(tmp: Path) -> Iterator[MultiNode]:
+def multinode_cluster(tmp: Path) -> Iterator[MultiNode]:
     """Head (1 CPU) + nodes `a` and `b` (1 CPU each, with custom resources `node_a` / `node_b`)."""
     from ray.cluster_utils import Cluster
 
@@ -217,14 +218,14 @@ def _multinode(tmp: Path) -> Iterator[MultiNode]:
 @pytest.fixture
 def multinode(tmp_path: Path) -> Iterator[MultiNode]:
     """A fresh 3-node cluster for one test (tests that remove nodes)."""
-    with _multinode(tmp_path) as mn:
+    with multinode_cluster(tmp_path) as mn:
         yield mn
 
 
 @pytest.fixture(scope="module")
 def multinode_shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNode]:
     """One 3-node cluster for a module's tests (each leaves it as it found it)."""
-    with _multinode(tmp_path_factory.mktemp("multinode")) as mn:
+    with multinode_cluster(tmp_path_factory.mktemp("multinode")) as mn:
         yield mn
 
 
@@ -235,3 +236,15 @@ def train_worker_nodes(dashboard_url: str, submission_id: str) -> list[str]:
     ray_job_id = httpx.get(f"{dashboard_url}/api/jobs/{submission_id}", timeout=10).json()["job_id"]
     actors = list_actors(address=dashboard_url, filters=[("state", "=", "ALIVE")], limit=1000)
     return [a.node_id for a in actors if a.job_id == ray_job_id and "RayTrainWorker" in (a.class_name or "")]
+
+
+def drain_node(gcs_address: str, node_id: str, *, deadline_s: int, message: str = "spot instance reclaimed") -> float:
+    """Announce a node's end the way an autoscaler does (`ray drain-node`, the GCS DrainNode call with reason
+    PREEMPTION and a deadline); the node keeps running until the caller removes it. Returns when it was announced."""
+    ray_cli = Path(sys.executable).parent / "ray"
+    subprocess.run(
+        [str(ray_cli), "drain-node", "--address", gcs_address, "--node-id", node_id, "--reason",
+         "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", message, "--deadline-remaining-seconds", str(deadline_s)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return time.monotonic()

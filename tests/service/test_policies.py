@@ -61,12 +61,24 @@ def test_spread_and_pack_placement() -> None:
         (EndReason.CANCELLED, 1, 3, False, 0.0),
         (EndReason.SUCCEEDED, 1, 3, False, 0.0),
         (EndReason.WORKER_LOST, 5, 10, True, 60.0),  # capped
+        (EndReason.NODE_DRAINING, 1, 3, True, 0.0),  # checkpointed on notice: again at once
+        (EndReason.NODE_DRAINING, 3, 3, True, 0.0),  # and not counted: even on the last attempt
+        (EndReason.PREEMPTED, 3, 3, True, 0.0),
     ],
 )
 def test_retry_decide(reason: EndReason, attempt: int, max_attempts: int, retry: bool, delay: float) -> None:
     d = decide(reason=reason, attempt=attempt, max_attempts=max_attempts, backoff_seconds=10, max_backoff_seconds=60)
     assert d.retry is retry
     assert d.delay_seconds == delay
+
+
+def test_drained_attempts_do_not_use_up_max_attempts() -> None:
+    """Attempts 1 and 2 ended on drain notices (counted in `preemptions`): a worker loss on attempt 3 of 2 allowed is
+    the job's first failure, so it is retried; without the two drains it would be its third, and final."""
+    kw = {"reason": EndReason.WORKER_LOST, "attempt": 3, "max_attempts": 2, "backoff_seconds": 1,
+          "max_backoff_seconds": 1}  # fmt: skip
+    assert decide(**kw, preemptions=2).retry
+    assert not decide(**kw, preemptions=0).retry
 
 
 # ---- queue limits and the starvation guard -------------------------------------------------------------------

@@ -9,6 +9,8 @@ from ray.train.v2._internal.exceptions import (
     UserExceptionWithTraceback,
     WorkerHealthCheckFailedError,
 )
+from ray.train.v2.api.exceptions import PreemptionError
+from ray.train.v2.api.preemption import PreemptionInfo
 
 from service.models import EndReason
 from workers.driver import classify_failure
@@ -49,6 +51,9 @@ def group(*errors: Exception) -> WorkerGroupError:
         (group(CollectiveTimeoutError("collective timed out")), EndReason.COLLECTIVE_TIMEOUT),
         (group(RuntimeError("Watchdog caught collective operation timeout: NCCL")), EndReason.COLLECTIVE_TIMEOUT),
         (group(RuntimeError("The actor died because its node has died. Node Id: ab")), EndReason.NODE_LOST),
+        # A drain deadline that passed before the loop checkpointed (one that never asks): Ray Train's own error.
+        (PreemptionError(PreemptionInfo(deadline_ms=1, preempted_node_to_ranks={"ab": [1]}), drain_timed_out=True),
+         EndReason.NODE_DRAINING),
     ],
 )  # fmt: skip
 def test_classify(exc: BaseException, reason: EndReason) -> None:

@@ -259,3 +259,31 @@ def test_without_a_users_sitecustomize_nothing_is_chained(tmp_path: Path) -> Non
     seen, stderr = probe(plain_env(PYTHONPATH=str(SITE_DIR)))
     assert seen["chained"] is None or not str(seen["chained"]).startswith(str(SITE_DIR))
     assert stderr == ""
+
+
+def test_a_drain_notice_saves_at_that_step_and_ends_training(tmp_path: Path, script: Path) -> None:
+    """The notice its Ray worker passed on (`workers.drain.DRAIN_FILE`) makes the Trainer save at the step it is at
+    and end training there, off its save schedule (every 3 steps), and mark `drained` with that step, from which the
+    worker stops the attempt as `node_draining`."""
+    from workers.drain import DRAIN_FILE, NodeDraining, script_stopped
+
+    control = tmp_path / "control"
+    control.mkdir()
+    (control / DRAIN_FILE).write_text(json.dumps({"nodes": ["ab" * 8], "ranks": [1], "deadline_ms": 2_000,
+                                                  "seen_ms": 1_000}))  # fmt: skip
+    output = run_script(script, ["out", "20"], child_env(plain_env(RANK="0"), control))
+    assert json.loads(next(line for line in output.splitlines() if '"script_done"' in line))["step"] == 1
+    assert sorted(p.name for p in (control / SAVED_DIR).iterdir()) == ["checkpoint-1@0"]
+    assert (script.parent / "out" / "checkpoint-1" / "trainer_state.json").is_file()
+    stopped = script_stopped(control)
+    assert isinstance(stopped, NodeDraining) and stopped.step == 1
+    assert "1s before its deadline" in str(stopped) and "at step 1" in str(stopped)
+
+
+def test_without_a_notice_the_script_trains_to_its_end_and_is_not_stopped(tmp_path: Path, script: Path) -> None:
+    from workers.drain import script_stopped
+
+    control = tmp_path / "control"
+    run_script(script, ["out", "4"], child_env(plain_env(RANK="0"), control))
+    assert script_stopped(control) is None
+    assert sorted(p.name for p in (control / SAVED_DIR).iterdir()) == ["checkpoint-3@0", "checkpoint-4@0"]

@@ -264,13 +264,17 @@ class Prepared:
         return out
 
     def report(self, metrics: dict[str, Any] | None = None, *, checkpoint: bool = False, **values: Any) -> None:
-        """Report to Ray Train from every rank (V2 needs all), with a full checkpoint when asked, or when the job has
-        been asked to make room for a higher-priority one (see `workers.preemption`)."""
-        from workers import preemption
+        """Report to Ray Train from every rank (V2 needs all), with a full checkpoint when asked, when the job has
+        been asked to make room for a higher-priority one (`workers.preemption`), or when a node of this attempt is
+        draining (`workers.drain`): then, once the checkpoint is written, the attempt stops here (`NodeDraining`)."""
+        from workers import drain, preemption
         from workers.checkpoint import report
 
-        checkpoint = preemption.requested() or checkpoint
-        report(self, self.metrics(**(metrics or {}), **values), checkpoint=checkpoint)
+        yielding = preemption.requested()
+        notice = drain.notice()
+        report(self, self.metrics(**(metrics or {}), **values), checkpoint=checkpoint or yielding or notice is not None)
+        if notice is not None:
+            raise drain.NodeDraining(notice, self.step)
 
 
 def broadcast_module(module: torch.nn.Module) -> None:

@@ -1,0 +1,74 @@
+"""A node's drain notice, as an autoscaler or a spot reclaim gives it (issue 16): a loop that reports through shunter's
+helpers checkpoints at once on every rank and stops; the attempt ends `node_draining` and runs again at once on the
+nodes that stay, from that checkpoint, without using up `max_attempts`, and no step is lost."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from service.ray_local import free_port
+from tests.conftest import wait_for
+from tests.service.conftest import MultiNode, Service, drain_node, service_env, train_worker_nodes
+
+pytestmark = pytest.mark.slow
+
+DEADLINE_S = 60
+
+
+def helper_spec(**config: object) -> dict:
+    """A loop that reports through `workers.strategies.prepare` (a tiny GPT-2, a report every step)."""
+    return {
+        "name": "drain",
+        "entrypoint": {"callable": "examples.gpt2_tiny:train_loop"},
+        "config": {"steps": 60, "checkpoint_every": 25, "step_sleep": 0.2, **config},
+        "resources": {"num_workers": 2, "resources_per_worker": {"CPU": 1}, "placement": "spread"},
+        # One attempt allowed: a drained attempt that counted would end the job FAILED.
+        "retries": {"max_attempts": 1, "backoff_seconds": 30, "max_worker_failures": 0},
+    }
+
+
+def test_a_drain_notice_checkpoints_stops_and_resumes_elsewhere_losing_no_step(
+    multinode: MultiNode, tmp_path: Path
+) -> None:
+    svc = Service(data_dir=tmp_path, port=free_port(), env={})
+    svc.env = service_env(tmp_path, multinode.head, svc.port)
+    svc.start()
+    try:
+        with svc.client() as c:
+            job = c.submit(helper_spec())
+            wait_for(lambda: (c.get(job.id).step or 0) >= 5, timeout=240, what="job training")
+            on = set(train_worker_nodes(multinode.head.dashboard_url, f"shunter-{job.id}-1"))
+            name = next(n for n, node in multinode.workers.items() if node.node_id in on)
+            drained = multinode.workers[name]
+            announced = drain_node(multinode.head.gcs_address, drained.node_id, deadline_s=DEADLINE_S)
+            wait_for(lambda: c.get(job.id).attempt >= 2 and c.get(job.id).state == "RUNNING", timeout=DEADLINE_S,
+                     what="the job running again before the deadline")  # fmt: skip
+            again_after = time.monotonic() - announced
+            assert drained.node_id not in train_worker_nodes(multinode.head.dashboard_url, f"shunter-{job.id}-2")
+            # The deadline: the node goes, as the autoscaler takes it (a drain never kills by itself).
+            time.sleep(max(0.0, DEADLINE_S - (time.monotonic() - announced)))
+            multinode.cluster.remove_node(drained, allow_graceful=False)
+            done = c.wait(job.id, timeout=300)
+            assert done.state == "SUCCEEDED", done.last_error
+            assert done.attempt == 2 and done.step == 60
+            first, _ = c.attempts(job.id)
+            assert first.end_reason == "node_draining", first.message
+            assert "node draining" in (first.message or "")
+            # The drain checkpoint: one the schedule (every 25 steps) would not have made, at the last step trained.
+            saved = max(k.step for k in c.checkpoints(job.id) if k.attempt == 1)
+            assert saved % 25 != 0, f"no checkpoint on the notice (newest of attempt 1 at step {saved})"
+            trained = max(m.step for m in c.metrics(job.id, name="loss") if m.attempt == 1)
+            assert trained == saved  # nothing trained after it
+            resumed = min(m.step for m in c.metrics(job.id, name="loss") if m.attempt == 2)
+            assert resumed == saved + 1
+            events = c.events(job.id)
+            drain = [e for e in events if e.kind == "drain"]
+            assert len(drain) == 1 and f"resumes from step {saved}; 0 steps lost" in (drain[0].message or ""), drain
+            assert "before its deadline" in (drain[0].message or "")
+            print(f"training again {again_after:.1f}s after the notice (deadline {DEADLINE_S}s); drain checkpoint at "
+                  f"step {saved}")  # fmt: skip
+    finally:
+        svc.stop()
