@@ -67,8 +67,8 @@ def one(case: str, args: argparse.Namespace) -> dict[str, Any]:
                         removed = True
                     if any(m.attempt == 2 for m in c.metrics(job.id, name="loss")):
                         again = time.monotonic() - t0
-                    elif time.monotonic() - t0 > args.deadline + 300:
-                        raise TimeoutError(f"{case}: job {job.id} not training again")
+                    elif time.monotonic() - t0 > args.deadline + 300 or c.get(job.id).state == "SUCCEEDED":
+                        raise RuntimeError(f"{case}: job {job.id} not training again (finished first? more --steps)")
                     time.sleep(0.2)
                 if not removed:
                     time.sleep(max(0.0, args.deadline - (time.monotonic() - t0)))
@@ -90,7 +90,7 @@ def one(case: str, args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--deadline", type=int, default=30, help="seconds from the drain notice to the node's end")
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=400, help="enough to outlast the deadline after --at-step")
     parser.add_argument("--checkpoint-every", type=int, default=25)
     parser.add_argument("--step-sleep", type=float, default=0.2)
     parser.add_argument("--at-step", type=int, default=30, help="the notice (or loss) comes once the job is here")

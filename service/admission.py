@@ -14,7 +14,7 @@ from sqlalchemy import update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from service import fairshare, leases, queues, resources, scheduler, standing
+from service import fairshare, growth, leases, queues, quotas, resources, scheduler, standing
 from service.backend import ClusterView, submission_id
 from service.db import session_scope
 from service.models import ACTIVE_STATES, Attempt, EndReason, EventKind, Job, JobState, utcnow
@@ -56,7 +56,7 @@ def admit(
                            actor=owner, values=values, now=now)  # fmt: skip
             else:
                 waiting.append((job, spec))
-        if not waiting:
+        if not waiting and not _may_grow(session, settings, spec_of):
             return [], []
         nodes = [scheduler.NodeFree(n.node_id, dict(n.available)) for n in cluster.nodes if n.alive]
         # Every admitted job counts against its queue's limits; the placed and unplaced ones may also be preempted.
@@ -107,6 +107,9 @@ def admit(
             served = [chosen] if chosen is not None else []
             why = ""
         by_active = {j.id: j for j in active}
+        if not served:
+            victims += _grow(session, decision, candidates, active, specs_of=spec_of, settings=settings, owner=owner,
+                             now=now, limits=limits, rules=rules)  # fmt: skip
         for blocked, victim_ids in served:
             for victim_id in victim_ids:
                 victim = by_active[victim_id]
@@ -117,6 +120,73 @@ def admit(
                                      f"({why or f'priority {blocked.priority}'})")  # fmt: skip
                 victims.append(victim)
     return started, victims
+
+
+def _may_grow(session: Session, settings: Settings, spec_of: SpecOf) -> bool:
+    """Whether a running elastic job is below its max (with nothing queued, the pass is for growth alone)."""
+    if not settings.elastic_grow:
+        return False
+    running = session.exec(
+        select(Job).where(col(Job.state) == JobState.RUNNING, col(Job.preempt_requested_at).is_(None))
+    ).all()
+    for job in running:
+        spec, _ = spec_of(job)
+        if spec is not None and spec.resources.elastic and (job.world_size or 0) < spec.resources.max_workers:
+            return True
+    return False
+
+
+def _grow(
+    session: Session, decision: scheduler.Plan, candidates: list[scheduler.Candidate], active: list[Job], *,
+    specs_of: SpecOf, settings: Settings, owner: str, now: datetime, limits: Any, rules: Any,
+) -> list[Job]:  # fmt: skip
+    """Ask running elastic jobs that may grow (service.growth) to checkpoint and stop, to be admitted again larger."""
+    if not settings.elastic_grow:
+        return []
+    after = settings.elastic_grow_after_seconds
+    growable, by_id = [], {}
+    for job in active:
+        spec, _ = specs_of(job)
+        if spec is None or not spec.resources.elastic or job.state != JobState.RUNNING or job.world_size is None:
+            continue
+        if job.preempt_requested_at is not None or job.world_size >= spec.resources.max_workers:
+            continue
+        started = session.exec(
+            select(Attempt.started_at).where(Attempt.job_id == job.id, Attempt.number == job.attempt)
+        ).first()
+        if started is None:
+            continue
+        growable.append(growth.Growable(candidate(job, spec), job.world_size, (now - started).total_seconds()))
+        by_id[job.id] = job
+    if not growable:
+        return []
+    waiting = {c.job_id: c.priority for c in candidates if c.job_id in decision.waiting}
+
+    def check(cand: scheduler.Candidate, extra: dict[str, float]) -> str | None:
+        held = {scope: quotas.Held(h.running, h.cpus, h.gpus) for scope, h in decision.held.items()}
+        return quotas.check(extra, cand.queue, cand.owner, cand.team, limits=limits, quotas=rules,
+                            held=_without_one_running(held, cand))  # fmt: skip
+
+    sizes = growth.grow(growable, decision.left, waiting=list(waiting.values()), after_seconds=after,
+                        min_gain=settings.elastic_grow_min_gain, check=check)  # fmt: skip
+    grown = []
+    for job_id, size in sizes.items():
+        job = by_id[job_id]
+        session.execute(update(Job).where(col(Job.id) == job_id).values(preempt_requested_at=now))
+        said = (f"room for {size} workers (it runs {job.world_size}) is free and no job of priority {job.priority} "
+                f"or higher waits: checkpointing, to run again at up to {size}")  # fmt: skip
+        record_event(session, job_id, kind=EventKind.RESIZED, reason="grow_requested", attempt=job.attempt,
+                     actor=owner, message=said)  # fmt: skip
+        grown.append(job)
+    return grown
+
+
+def _without_one_running(held: dict[quotas.Scope, quotas.Held], cand: scheduler.Candidate) -> dict:
+    """`held` as if the growing job were not counted as one more running job (it already is one)."""
+    for scope in quotas.scopes(cand.queue, cand.owner, cand.team):
+        if scope in held:
+            held[scope].running -= 1
+    return held
 
 
 def _start_attempt(

@@ -5,6 +5,7 @@ deterministic Ray submission id live here too, so every module names them the sa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -92,3 +93,15 @@ class Backend(Protocol):
     def list_submission_ids(self, prefix: str = SUBMISSION_PREFIX) -> list[str]: ...
 
     def cluster(self) -> ClusterView: ...
+
+
+def checked(cluster: ClusterView) -> ClusterView:
+    """Ray's answer as plain finite floats per node; ValueError/TypeError if it is not of that shape."""
+    nodes = []
+    for node in cluster.nodes:
+        total = {str(k): float(v) for k, v in dict(node.total).items()}
+        available = {str(k): float(v) for k, v in dict(node.available).items()}
+        if not all(math.isfinite(v) for v in (*total.values(), *available.values())):
+            raise ValueError(f"node {node.node_id}: resources that are not finite numbers")
+        nodes.append(NodeView(str(node.node_id), str(node.address), bool(node.alive), total, available))
+    return ClusterView(nodes=nodes, dead_nodes={str(k): bool(v) for k, v in dict(cluster.dead_nodes).items()})

@@ -14,7 +14,6 @@ and, past `job_fault_patience_seconds`, ends that job. None of it stops the pass
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,12 +25,13 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlmodel import Session, col, select
 
 from service import admission, leases, progress, retry, submission
-from service.backend import Backend, ClusterView, NodeView, submission_id
+from service.backend import Backend, ClusterView, checked, submission_id
 from service.db import JOB_DATA_ERRORS, session_scope
 from service.errors import InfraError, InvalidSpec, StaleWrite
 from service.host_files import HostFault, HostFiles
 from service.metrics import DISPATCHER_TICK_SECONDS
 from service.models import Attempt, Checkpoint, ClusterSnapshot, EndReason, EventKind, Job, JobState, utcnow
+from service.nodes import NodeHistory
 from service.reconcile import (
     Action,
     AttemptFacts,
@@ -72,6 +72,7 @@ class Dispatcher:
         self._pool = ThreadPoolExecutor(max_workers=settings.dispatcher_threads, thread_name_prefix="reconcile")
         self.last_tick_seconds = 0.0
         self._dead_nodes: dict[str, bool] = {}  # from the last cluster read (service.reconcile.decide)
+        self.nodes = NodeHistory()  # which nodes went draining or dead, and when (bears out node_draining ends)
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -127,11 +128,12 @@ class Dispatcher:
     def read_cluster(self) -> ClusterView | None:
         """Ray's per-node resources, checked for shape, and stored for the API; None if Ray cannot be read."""
         try:
-            cluster = _checked(self.ray.cluster())
+            cluster = checked(self.ray.cluster())
         except Exception as exc:  # noqa: BLE001 - unreachable, or an answer of the wrong shape: skip admission
             log.warning("cannot read Ray cluster resources: %s", exc)
             return None
         self._dead_nodes = dict(cluster.dead_nodes)
+        self.nodes.observe(cluster, utcnow())
         for first in (True, False):
             try:
                 self._store_snapshot(cluster)
@@ -289,6 +291,9 @@ class Dispatcher:
     def _finish(self, job: Job, attempt: Attempt, action: Finish) -> None:
         """Close the attempt; then end the job, or queue the next attempt if the retry policy says so."""
         reason, message = action.reason, action.message
+        if reason is EndReason.NODE_DRAINING and attempt.message:  # the driver's own account, not Ray's log tail
+            message = attempt.message
+        asked = job.preempt_requested_at is not None
         log_uri = self._host_effect(job, "log", self._keep_log, job, attempt) if action.keep_logs else None
         spec, _ = self.spec_of(job)
         retries = spec.retries if spec is not None else Retries()
@@ -297,6 +302,7 @@ class Dispatcher:
             backoff_seconds=retries.backoff_seconds, max_backoff_seconds=retries.max_backoff_seconds,
             retry_on_timeout=retries.retry_on_timeout, preemptions=job.preemptions,
             cluster_restarts=job.cluster_restarts, count_cluster_restarts=self.settings.count_cluster_restarts,
+            drain_confirmed=reason is EndReason.NODE_DRAINING and self.nodes.confirms(attempt.started_at, message),
         )  # fmt: skip
         now = utcnow()
         with session_scope(self.engine) as session:
@@ -318,7 +324,7 @@ class Dispatcher:
                 if reason in (EndReason.PREEMPTED, EndReason.NODE_DRAINING):  # not failures: not counted
                     values.update(preemptions=job.preemptions + 1, last_error=None)
                 if reason is EndReason.PREEMPTED:
-                    message = "preempted to make room for another job (its preemption_requested event says which)"
+                    message = "yielded as asked (its preemption_requested or grow_requested event says why)"
                 elif reason is EndReason.CLUSTER_RESTARTED:
                     values.update(cluster_restarts=job.cluster_restarts + 1)
                 transition(session, job, to=JobState.QUEUED, reason=reason.value, lease_token=job.lease_token,
@@ -331,7 +337,7 @@ class Dispatcher:
                 transition(session, job, to=end_reason_state(reason), reason=reason.value, lease_token=job.lease_token,
                            actor=self.owner, message=message[-1000:], values=values)  # fmt: skip
         self._stop_sent.pop(attempt.submission_id, None)
-        if job.preempt_requested_at is not None:
+        if asked:  # read before the transition, which clears the job's preempt_requested_at
             self._host_effect(job, "preemption notice", self._clear_notice, job)
 
     def _abandon(self, job: Job, message: str) -> None:
@@ -380,19 +386,7 @@ class Dispatcher:
         return submission.job_storage(spec, self.settings)
 
     def _write_notice(self, job: Job) -> None:
-        self.files.write_preemption_notice(self._storage_of(job), job.id)
+        self.files.write_preemption_notice(self._storage_of(job), job.id, attempt=job.attempt)
 
     def _clear_notice(self, job: Job) -> None:
         self.files.clear_preemption_notice(self._storage_of(job), job.id)
-
-
-def _checked(cluster: ClusterView) -> ClusterView:
-    """Ray's answer as plain finite floats per node; ValueError/TypeError if it is not of that shape."""
-    nodes = []
-    for node in cluster.nodes:
-        total = {str(k): float(v) for k, v in dict(node.total).items()}
-        available = {str(k): float(v) for k, v in dict(node.available).items()}
-        if not all(math.isfinite(v) for v in (*total.values(), *available.values())):
-            raise ValueError(f"node {node.node_id}: resources that are not finite numbers")
-        nodes.append(NodeView(str(node.node_id), str(node.address), bool(node.alive), total, available))
-    return ClusterView(nodes=nodes, dead_nodes={str(k): bool(v) for k, v in dict(cluster.dead_nodes).items()})

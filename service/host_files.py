@@ -7,6 +7,7 @@ cannot be reached) raises `HostFault`, which the dispatcher records as an event 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from service import storage
@@ -37,16 +38,18 @@ class HostFiles:
             raise HostFault(f"could not keep the log of attempt {attempt}: {exc}") from exc
         return str(path)
 
-    def write_preemption_notice(self, storage_uri: str, job_id: str) -> None:
-        """Drop the marker the job's workers poll for (workers.preemption): they checkpoint at once when they see it."""
+    def write_preemption_notice(self, storage_uri: str, job_id: str, *, attempt: int) -> None:
+        """Drop the marker the job's workers poll for (workers.preemption): they checkpoint at once when they see it.
+        It names the attempt asked, so that one left behind never stops a later attempt."""
+        body = json.dumps({"at": utcnow().isoformat(), "attempt": attempt})
         try:
             path, fs = storage.preemption_marker(storage_uri, job_id)
             if fs is None:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
-                Path(path).write_text(utcnow().isoformat())
+                Path(path).write_text(body)
             else:
                 with fs.open_output_stream(path) as out:
-                    out.write(utcnow().isoformat().encode())
+                    out.write(body.encode())
         except Exception as exc:  # noqa: BLE001 - pyarrow raises its own types for unreachable or malformed storage
             raise HostFault(f"could not write the preemption notice: {exc}") from exc
 

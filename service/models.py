@@ -66,6 +66,7 @@ class EndReason(str, Enum):
             EndReason.INFRA,
             EndReason.CLUSTER_RESTARTED,
             EndReason.OUT_OF_MEMORY,
+            EndReason.NODE_DRAINING,  # counted only when Ray does not bear the drain out (service.retry)
         }
 
 

@@ -157,7 +157,7 @@ def decide(
     if job.preempt_requested_at is not None:
         asked = (now - job.preempt_requested_at).total_seconds()
         if job.checkpointed_since_preempt or asked >= patience.preemption_grace_seconds:
-            return [*actions, Stop(EndReason.PREEMPTED, "stopped to make room for another job")]
+            return [*actions, Stop(EndReason.PREEMPTED, "stopped as asked: to make room for another job, or to grow")]
     if job.timeout_seconds is not None and waited > job.timeout_seconds:
         return [*actions, Stop(EndReason.TIMEOUT, f"ran past timeout_seconds={job.timeout_seconds:g}")]
     if job.state is JobState.STARTING and job.step is not None:

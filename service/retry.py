@@ -25,17 +25,22 @@ def decide(
     preemptions: int = 0,
     cluster_restarts: int = 0,
     count_cluster_restarts: bool = False,
+    drain_confirmed: bool = True,
 ) -> RetryDecision:
     """Retry a retryable end while attempts remain, after exponential backoff (doubling, capped).
 
     A deterministic failure (the user's code raised, a timeout, a cancel) is not retried: running the same code on the
     same data again fails the same way and only burns the cluster.
+
+    `drain_confirmed`: whether Ray shows a node of the cluster draining or gone, as a `node_draining` end claims. The
+    claim comes from the job's own side (its driver, with the attempt's token); one Ray does not bear out is retried
+    as a counted failure, so a job cannot buy itself endless free retries by saying its node drains.
     """
     if reason is EndReason.SUCCEEDED:
         return RetryDecision(False, why="succeeded")
     if reason is EndReason.PREEMPTED:
         return RetryDecision(True, why="preempted: back to the queue, resuming from its checkpoint")
-    if reason is EndReason.NODE_DRAINING:
+    if reason is EndReason.NODE_DRAINING and drain_confirmed:
         return RetryDecision(True, why="a node of the attempt is draining: it checkpointed and stopped; back to the "
                              "queue at once to resume on the nodes that stay; this does not count against "
                              "max_attempts")  # fmt: skip

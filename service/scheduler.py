@@ -46,6 +46,8 @@ class Plan:
     admit: list[str] = field(default_factory=list)
     waiting: dict[str, str] = field(default_factory=dict)  # job id -> why it waits, for `state_reason`
     sizes: dict[str, int] = field(default_factory=dict)  # job id -> workers it starts with (elastic jobs)
+    left: list[NodeFree] = field(default_factory=list)  # the room still free once the admitted jobs are placed
+    held: dict[Scope, Held] = field(default_factory=dict)  # what admitted jobs hold by scope, these ones included
 
 
 @dataclass
@@ -176,6 +178,7 @@ def plan(
         quotas.count(scoped, total, cand.queue, cand.owner, cand.team)
         result.admit.append(cand.job_id)
         result.sizes[cand.job_id] = cand.num_workers
+    result.left, result.held = free_nodes, scoped
     return result
 
 

@@ -53,6 +53,12 @@ class Settings(BaseSettings):
     # With an autoscaler, a job too big for today's cluster is held with a reason instead of refused.
     cluster_may_grow: bool = False
     preemption_grace_seconds: float = Field(60.0, ge=0)
+    # A running elastic job grows toward its max (a checkpoint-restart, see service/growth.py) once its attempt has run
+    # this long, when room is free and no job of equal or higher priority waits. The gain must be at least this
+    # fraction of its workers (at least one worker).
+    elastic_grow: bool = True
+    elastic_grow_after_seconds: float = Field(600.0, ge=0)
+    elastic_grow_min_gain: float = Field(0.25, ge=0)
     # An attempt lost with a Ray head restart is retried from its checkpoint; by default it does not use up the job's
     # retries.max_attempts (it was not the job's fault).
     count_cluster_restarts: bool = False

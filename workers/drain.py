@@ -85,7 +85,7 @@ def drained_value(value: Any) -> dict[str, Any] | None:
 
 def describe(notice: dict[str, Any], step: int | None) -> str:
     """One line for the attempt's end: which nodes, how long before the deadline, where the checkpoint is."""
-    nodes = ", ".join(str(n)[:12] for n in notice.get("nodes") or []) or "a node"
+    nodes = ", ".join(str(n) for n in notice.get("nodes") or []) or "a node"
     ranks = notice.get("ranks") or []
     deadline, seen = notice.get("deadline_ms"), notice.get("seen_ms")
     ahead = (

@@ -196,6 +196,9 @@ def run(spec: JobSpec, *, job_id: str, attempt: int, storage: str, api: AttemptA
     except Exception as exc:  # noqa: BLE001 - classified, recorded, and printed in full below
         reason = classify_failure(exc)
         message = f"{type(exc).__name__}: {exc}"
+        info = getattr(exc, "preemption_info", None)
+        if info is not None:  # which nodes: the dispatcher checks the claim against Ray (service.nodes)
+            message += f" Draining nodes: {', '.join(info.preempted_node_ids)}."
         traceback.print_exc()
     if api is not None and reason is not EndReason.SUCCEEDED:
         _record_end(api, reason, message)

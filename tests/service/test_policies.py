@@ -72,6 +72,14 @@ def test_retry_decide(reason: EndReason, attempt: int, max_attempts: int, retry:
     assert d.delay_seconds == delay
 
 
+@pytest.mark.parametrize(("attempt", "retry", "delay"), [(1, True, 10.0), (3, False, 0.0)])
+def test_a_drain_ray_does_not_bear_out_is_a_counted_failure(attempt: int, retry: bool, delay: float) -> None:
+    """A job's side claims node_draining, but no node is draining or gone: backoff, and it uses up max_attempts."""
+    d = decide(reason=EndReason.NODE_DRAINING, attempt=attempt, max_attempts=3, backoff_seconds=10,
+               max_backoff_seconds=60, drain_confirmed=False)  # fmt: skip
+    assert (d.retry, d.delay_seconds) == (retry, delay)
+
+
 def test_drained_attempts_do_not_use_up_max_attempts() -> None:
     """Attempts 1 and 2 ended on drain notices (counted in `preemptions`): a worker loss on attempt 3 of 2 allowed is
     the job's first failure, so it is retried; without the two drains it would be its third, and final."""

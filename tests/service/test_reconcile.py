@@ -99,9 +99,9 @@ ROWS = [
      AttemptFacts(True, ago(99)), "RUNNING", [Wait("Ray says RUNNING")]),
     ("preemption: checkpointed since, stop", JobFacts(S.RUNNING, preempt_requested_at=ago(10),
      checkpointed_since_preempt=True), AttemptFacts(True, ago(99)), "RUNNING",
-     [Stop(R.PREEMPTED, "stopped to make room for another job")]),
+     [Stop(R.PREEMPTED, "stopped as asked: to make room for another job, or to grow")]),
     ("preemption: grace over, stop", JobFacts(S.RUNNING, preempt_requested_at=ago(61)), AttemptFacts(True, ago(99)),
-     "RUNNING", [Stop(R.PREEMPTED, "stopped to make room for another job")]),
+     "RUNNING", [Stop(R.PREEMPTED, "stopped as asked: to make room for another job, or to grow")]),
     ("preempted job stopped: requeue reason", JobFacts(S.RUNNING, preempt_requested_at=ago(61)),
      AttemptFacts(True, ago(99), R.PREEMPTED), "STOPPED",
      [Finish(R.PREEMPTED, "STOPPED", ray_status="STOPPED", keep_logs=True)]),
@@ -185,7 +185,7 @@ def test_sweep_rules(
         assert names[-1] in {"Finish", "Stop"}  # a job whose spec no longer validates never waits on
     if status in ("PENDING", "RUNNING") and state is not S.CANCELLING and spec_error is None:
         if preempt == "due":
-            assert actions[-1] == Stop(R.PREEMPTED, "stopped to make room for another job")
+            assert actions[-1] == Stop(R.PREEMPTED, "stopped as asked: to make room for another job, or to grow")
         elif timed_out:
             assert actions[-1] == Stop(R.TIMEOUT, "ran past timeout_seconds=0.5")
 

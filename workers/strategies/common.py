@@ -275,6 +275,8 @@ class Prepared:
         report(self, self.metrics(**(metrics or {}), **values), checkpoint=checkpoint or yielding or notice is not None)
         if notice is not None:
             raise drain.NodeDraining(notice, self.step)
+        if yielding:
+            preemption.hold()  # trained past this checkpoint, a step would only be lost when the dispatcher stops it
 
 
 def broadcast_module(module: torch.nn.Module) -> None:
