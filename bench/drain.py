@@ -81,6 +81,8 @@ def one(case: str, args: argparse.Namespace) -> dict[str, Any]:
                 row = {"case": case, "state": done.state, "attempts": done.attempt, "first_end": first.end_reason,
                        "training_again_s": round(again, 1), "steps_lost": trained - resumed,
                        "notice_to_deadline_s": args.deadline if case.endswith("drain") else 0}  # fmt: skip
+                # From the moment the node is gone (its deadline, or the loss): negative is before it went.
+                row["after_node_end_s"] = round(again - row["notice_to_deadline_s"], 1)
                 log(f"{case}: {json.dumps(row)}")
                 return row
         finally:
@@ -97,14 +99,28 @@ def main() -> None:
     args = parser.parse_args()
     rows = [one(case, args) for case in ("helpers-drain", "plain-drain", "helpers-loss")]
     by = {r["case"]: r for r in rows}
-    ratio = by["helpers-loss"]["training_again_s"] / max(by["helpers-drain"]["training_again_s"], 1e-9)
+    ratios = {
+        # the time from the notice (or the loss) to training again elsewhere
+        "training_again_loss_over_drain": round(by["helpers-loss"]["training_again_s"]
+                                                / max(by["helpers-drain"]["training_again_s"], 1e-9), 2),
+        "training_again_plain_drain_over_drain": round(by["plain-drain"]["training_again_s"]
+                                                       / max(by["helpers-drain"]["training_again_s"], 1e-9), 2),
+    }  # fmt: skip
     result = {"machine": platform.platform(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "args": vars(args), "cases": rows,
-              "ratios": {"training_again_loss_over_drain": round(ratio, 2)}}  # fmt: skip
-    print(f"{'case':<15}{'first end':<16}{'again (s)':>10}{'steps lost':>12}{'final':>12}")
+              "args": vars(args), "cases": rows, "ratios": ratios}  # fmt: skip
+    print(f"{'case':<15}{'first end':<16}{'again (s)':>10}{'after end (s)':>14}{'steps lost':>12}{'final':>12}")
     for r in rows:
-        print(f"{r['case']:<15}{r['first_end']:<16}{r['training_again_s']:>10}{r['steps_lost']:>12}{r['state']:>12}")
-    print(f"training again after a plain loss takes {ratio:.2f}x the time it takes after a drain notice")
+        print(f"{r['case']:<15}{r['first_end']:<16}{r['training_again_s']:>10}{r['after_node_end_s']:>14}"
+              f"{r['steps_lost']:>12}{r['state']:>12}")  # fmt: skip
+    print(
+        f"steps lost: {by['helpers-drain']['steps_lost']} with a notice and the helpers, "
+        f"{by['plain-drain']['steps_lost']} for a plain loop under the same notice, "
+        f"{by['helpers-loss']['steps_lost']} on a plain loss (checkpoints every {args.checkpoint_every} steps)"
+    )
+    print(
+        f"training again, from the notice or the loss: a plain loss {ratios['training_again_loss_over_drain']}x "
+        f"and a plain loop's drain {ratios['training_again_plain_drain_over_drain']}x the time of a helpers' drain"
+    )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     log(f"wrote {RESULTS}")
