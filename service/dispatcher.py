@@ -291,7 +291,7 @@ class Dispatcher:
     def _finish(self, job: Job, attempt: Attempt, action: Finish) -> None:
         """Close the attempt; then end the job, or queue the next attempt if the retry policy says so."""
         reason, message = action.reason, action.message
-        if reason is EndReason.NODE_DRAINING and attempt.message:  # the driver's own account, not Ray's log tail
+        if reason in (EndReason.NODE_DRAINING, EndReason.NODE_LOST) and attempt.message:  # the driver's own account
             message = attempt.message
         asked = job.preempt_requested_at is not None
         log_uri = self._host_effect(job, "log", self._keep_log, job, attempt) if action.keep_logs else None
@@ -302,7 +302,8 @@ class Dispatcher:
             backoff_seconds=retries.backoff_seconds, max_backoff_seconds=retries.max_backoff_seconds,
             retry_on_timeout=retries.retry_on_timeout, preemptions=job.preemptions,
             cluster_restarts=job.cluster_restarts, count_cluster_restarts=self.settings.count_cluster_restarts,
-            drain_confirmed=reason is EndReason.NODE_DRAINING and self.nodes.confirms(attempt.started_at, message),
+            drain_confirmed=self.nodes.confirms(attempt.started_at, message),
+            elastic=spec is not None and spec.resources.elastic,
         )  # fmt: skip
         now = utcnow()
         with session_scope(self.engine) as session:
@@ -321,7 +322,7 @@ class Dispatcher:
                              message=f"{decision.why}; {resumes}", attempt=job.attempt, actor=self.owner)  # fmt: skip
                 values = {"not_before": now + timedelta(seconds=decision.delay_seconds), "last_error": message[-4000:],
                           "preempt_requested_at": None}  # fmt: skip
-                if reason in (EndReason.PREEMPTED, EndReason.NODE_DRAINING):  # not failures: not counted
+                if decision.uncounted:  # not failures: preempted, drained, an elastic job shrinking
                     values.update(preemptions=job.preemptions + 1, last_error=None)
                 if reason is EndReason.PREEMPTED:
                     message = "yielded as asked (its preemption_requested or grow_requested event says why)"

@@ -12,6 +12,7 @@ class RetryDecision:
     retry: bool
     delay_seconds: float = 0.0
     why: str = ""
+    uncounted: bool = False  # not a failure: does not use up max_attempts (counted in the job's `preemptions`)
 
 
 def decide(
@@ -26,24 +27,31 @@ def decide(
     cluster_restarts: int = 0,
     count_cluster_restarts: bool = False,
     drain_confirmed: bool = True,
+    elastic: bool = False,
 ) -> RetryDecision:
     """Retry a retryable end while attempts remain, after exponential backoff (doubling, capped).
 
     A deterministic failure (the user's code raised, a timeout, a cancel) is not retried: running the same code on the
     same data again fails the same way and only burns the cluster.
 
-    `drain_confirmed`: whether Ray shows a node of the cluster draining or gone, as a `node_draining` end claims. The
-    claim comes from the job's own side (its driver, with the attempt's token); one Ray does not bear out is retried
-    as a counted failure, so a job cannot buy itself endless free retries by saying its node drains.
+    `drain_confirmed`: whether Ray showed a node the attempt's end names draining or gone since the attempt started
+    (service.nodes). A `node_draining` end is claimed from the job's own side (its driver, with the attempt's token);
+    one Ray does not bear out is retried as a counted failure, so a job cannot buy itself endless free retries by
+    saying its node drains. `elastic`: the job runs at any size in a range; a node it lost (borne out the same way)
+    makes it shrink onto the nodes that stay, at once and not counted, rather than fail.
     """
     if reason is EndReason.SUCCEEDED:
         return RetryDecision(False, why="succeeded")
     if reason is EndReason.PREEMPTED:
-        return RetryDecision(True, why="preempted: back to the queue, resuming from its checkpoint")
+        return RetryDecision(True, why="preempted: back to the queue, resuming from its checkpoint", uncounted=True)
     if reason is EndReason.NODE_DRAINING and drain_confirmed:
         return RetryDecision(True, why="a node of the attempt is draining: it checkpointed and stopped; back to the "
                              "queue at once to resume on the nodes that stay; this does not count against "
-                             "max_attempts")  # fmt: skip
+                             "max_attempts", uncounted=True)  # fmt: skip
+    if reason is EndReason.NODE_LOST and elastic and drain_confirmed:
+        why = ("an elastic job lost a node: it resumes at once on the nodes that stay, at the size that fits; this "
+               "does not count against max_attempts")  # fmt: skip
+        return RetryDecision(True, why=why, uncounted=True)
     if reason is EndReason.CLUSTER_RESTARTED and not count_cluster_restarts:
         delay = min(backoff_seconds, max_backoff_seconds)
         return RetryDecision(True, delay_seconds=delay, why="the Ray head restarted and lost the attempt: resuming "

@@ -80,6 +80,31 @@ def _named_node_is_dead(text: str) -> bool:
     return bool(node_ids - alive)
 
 
+def dead_worker_nodes(wait_seconds: float = 15.0) -> list[str]:
+    """Nodes of this run's train workers that Ray shows dead, waiting a little for it to notice (a node's loss reaches
+    the GCS after the surviving ranks' collectives have already failed)."""
+    import time
+
+    import ray
+    from ray.util.state import list_actors
+
+    try:
+        job = ray.get_runtime_context().get_job_id()
+        actors = list_actors(filters=[("job_id", "=", job)], limit=10_000, raise_on_missing_output=False)
+        nodes = {a.node_id for a in actors if "RayTrainWorker" in (a.class_name or "") and a.node_id}
+    except Exception:  # noqa: BLE001 - without Ray's state API, say only what is certain: a worker was lost
+        return []
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        try:
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        except Exception:  # noqa: BLE001 - as above
+            return []
+        if nodes - alive or time.monotonic() >= deadline:
+            return sorted(nodes - alive)
+        time.sleep(1.0)
+
+
 def build_trainer(spec, *, job_id: str, attempt: int, storage: str, api: AttemptApi | None):  # noqa: ANN001, ANN201
     """The TorchTrainer for this attempt (imports torch and Ray Train: worker side only)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -196,6 +221,11 @@ def run(spec: JobSpec, *, job_id: str, attempt: int, storage: str, api: AttemptA
     except Exception as exc:  # noqa: BLE001 - classified, recorded, and printed in full below
         reason = classify_failure(exc)
         message = f"{type(exc).__name__}: {exc}"
+        if reason is EndReason.WORKER_LOST:  # a surviving rank often tells first; was it the node that went?
+            gone = dead_worker_nodes()
+            if gone:
+                reason = EndReason.NODE_LOST
+                message += f" Lost nodes: {', '.join(gone)}."
         info = getattr(exc, "preemption_info", None)
         if info is not None:  # which nodes: the dispatcher checks the claim against Ray (service.nodes)
             message += f" Draining nodes: {', '.join(info.preempted_node_ids)}."

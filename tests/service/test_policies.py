@@ -80,6 +80,23 @@ def test_a_drain_ray_does_not_bear_out_is_a_counted_failure(attempt: int, retry:
     assert (d.retry, d.delay_seconds) == (retry, delay)
 
 
+@pytest.mark.parametrize(
+    ("reason", "elastic", "confirmed", "uncounted"),
+    [
+        (EndReason.NODE_LOST, True, True, True),  # an elastic job shrinks onto what is left
+        (EndReason.NODE_LOST, True, False, False),  # a lost node Ray does not bear out: a failure like any
+        (EndReason.NODE_LOST, False, True, False),  # a rigid job: the usual counted retry
+        (EndReason.WORKER_LOST, True, True, False),  # a worker (not its node) died: maybe the job's own doing
+    ],
+)  # fmt: skip
+def test_an_elastic_job_that_loses_a_node_shrinks_instead_of_failing(
+    reason: EndReason, elastic: bool, confirmed: bool, uncounted: bool
+) -> None:
+    d = decide(reason=reason, attempt=3, max_attempts=3, backoff_seconds=10, max_backoff_seconds=60,
+               elastic=elastic, drain_confirmed=confirmed)  # fmt: skip
+    assert (d.retry, d.uncounted, d.delay_seconds) == ((True, True, 0.0) if uncounted else (False, False, 0.0))
+
+
 def test_drained_attempts_do_not_use_up_max_attempts() -> None:
     """Attempts 1 and 2 ended on drain notices (counted in `preemptions`): a worker loss on attempt 3 of 2 allowed is
     the job's first failure, so it is retried; without the two drains it would be its third, and final."""

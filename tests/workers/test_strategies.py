@@ -1,17 +1,20 @@
-"""Each strategy on a real 2-worker Ray Train job (gloo): loss goes down, a checkpoint with manifest is written,
-and runs resumed from it at 3 and at 1 workers (issue 16: resume at any world size) continue with equal parameters
-at the right step, with loss still falling, and read the epoch on from where the 2 workers left it."""
+"""Each strategy on a real 2-worker Ray Train job (gloo) on a 3-node local cluster: loss goes down, a checkpoint with
+manifest is written, and runs resumed from it at 3 workers (one per node) and at 1 (issue 16: resume at any world
+size) continue with equal parameters at the right step, with loss still falling, and read the epoch on from where the
+2 workers left it."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from service.ray_local import LocalHead
 from tests.workers.loops import full_loss, tiny_data
 from workers.checkpoint import MANIFEST, verify
 
@@ -43,10 +46,29 @@ def fit(tmp_path: Path, name: str, config: dict[str, Any], workers: int = 2) -> 
     return trainer.fit()
 
 
+@pytest.fixture(scope="module")
+def three_nodes(ray_head: LocalHead, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """This process as the driver of a 3-node cluster (`ray.cluster_utils.Cluster`: a head and two nodes of 1 CPU each
+    on their own addresses), so a run at 3 workers has one on each node; afterwards, of the session's head again."""
+    import ray
+
+    from tests.service.conftest import multinode_cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    try:
+        with multinode_cluster(tmp_path_factory.mktemp("three-nodes")) as mn:
+            ray.init(address=mn.cluster.address, log_to_driver=False)
+            yield mn
+            ray.shutdown()
+    finally:
+        ray.init(address=ray_head.gcs_address, log_to_driver=False)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_strategy_trains_checkpoints_and_resumes(
-    case: str, ray_connected: object, deepspeed_ops: object, tmp_path: Path
+    case: str, three_nodes: object, deepspeed_ops: object, tmp_path: Path
 ) -> None:
     strategy, model = CASES[case]
     config = {"strategy": strategy, "model": model, "out": str(tmp_path), "steps": STEPS, "tag": "first"}
