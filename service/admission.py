@@ -126,14 +126,15 @@ def _may_grow(session: Session, settings: Settings, spec_of: SpecOf) -> bool:
     """Whether a running elastic job is below its max (with nothing queued, the pass is for growth alone)."""
     if not settings.elastic_grow:
         return False
-    running = session.exec(
-        select(Job).where(col(Job.state) == JobState.RUNNING, col(Job.preempt_requested_at).is_(None))
-    ).all()
-    for job in running:
-        spec, _ = spec_of(job)
-        if spec is not None and spec.resources.elastic and (job.world_size or 0) < spec.resources.max_workers:
-            return True
-    return False
+    running = session.exec(select(Job).where(col(Job.state) == JobState.RUNNING)).all()
+    return any(_below_max(job, spec_of(job)[0]) for job in running)
+
+
+def _below_max(job: Job, spec: JobSpec | None) -> bool:
+    """A running elastic job, not asked to yield, below its range's max: one that growth may ask to grow."""
+    if spec is None or not spec.resources.elastic or job.state != JobState.RUNNING or job.world_size is None:
+        return False
+    return job.preempt_requested_at is None and job.world_size < spec.resources.max_workers
 
 
 def _grow(
@@ -147,16 +148,14 @@ def _grow(
     growable, by_id = [], {}
     for job in active:
         spec, _ = specs_of(job)
-        if spec is None or not spec.resources.elastic or job.state != JobState.RUNNING or job.world_size is None:
-            continue
-        if job.preempt_requested_at is not None or job.world_size >= spec.resources.max_workers:
+        if spec is None or not _below_max(job, spec):
             continue
         started = session.exec(
             select(Attempt.started_at).where(Attempt.job_id == job.id, Attempt.number == job.attempt)
         ).first()
         if started is None:
             continue
-        growable.append(growth.Growable(candidate(job, spec), job.world_size, (now - started).total_seconds()))
+        growable.append(growth.Growable(candidate(job, spec), job.world_size or 0, (now - started).total_seconds()))
         by_id[job.id] = job
     if not growable:
         return []

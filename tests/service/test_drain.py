@@ -72,3 +72,40 @@ def test_a_drain_notice_checkpoints_stops_and_resumes_elsewhere_losing_no_step(
                   f"step {saved}")  # fmt: skip
     finally:
         svc.stop()
+
+
+def test_an_hf_trainer_script_saves_on_the_notice_and_resumes_from_it(multinode: MultiNode, tmp_path: Path) -> None:
+    """Script mode: the Ray worker passes the notice on to the script's Trainer callback, which saves at the step the
+    ranks agree on (off the script's own schedule) and ends training; the attempt ends `node_draining`, and the
+    retry resumes with `--resume_from_checkpoint` that checkpoint, on the nodes that stay."""
+    import re
+
+    svc = Service(data_dir=tmp_path, port=free_port(), env={})
+    svc.env = service_env(tmp_path, multinode.head, svc.port)
+    svc.start()
+    try:
+        args = ["--output_dir", "out", "--max_steps", "60", "--save_steps", "50", "--logging_steps", "1", "--use_cpu",
+                "--ddp_backend", "gloo", "--report_to", "none", "--step_seconds", "0.3"]  # fmt: skip
+        spec = {"name": "hf-drain", "entrypoint": {"script": "examples/scripts/hf_trainer.py", "args": args,
+                                                   "outputs": ["out"], "resume_arg": "--resume_from_checkpoint"},
+                "resources": {"num_workers": 2, "placement": "spread"},
+                "retries": {"max_attempts": 1, "max_worker_failures": 0}}  # fmt: skip
+        with svc.client() as c:
+            job = c.submit(spec)
+            wait_for(lambda: (c.get(job.id).step or 0) >= 5, timeout=240, what="script training")
+            on = set(train_worker_nodes(multinode.head.dashboard_url, f"shunter-{job.id}-1"))
+            drained = next(node for node in multinode.workers.values() if node.node_id in on)
+            announced = drain_node(multinode.head.gcs_address, drained.node_id, deadline_s=DEADLINE_S)
+            wait_for(lambda: c.get(job.id).attempt >= 2, timeout=DEADLINE_S, what="a second attempt")
+            time.sleep(max(0.0, DEADLINE_S - (time.monotonic() - announced)))
+            multinode.cluster.remove_node(drained, allow_graceful=False)
+            done = c.wait(job.id, timeout=300)
+            assert done.state == "SUCCEEDED", done.last_error
+            first, _ = c.attempts(job.id)
+            assert first.end_reason == "node_draining", first.message
+            saved = re.search(r"checkpointed at step (\d+)", first.message or "")
+            assert saved and int(saved.group(1)) % 50 != 0, first.message  # off its save schedule: on the notice
+            resumed = re.findall(r"--resume_from_checkpoint (\S+/out/checkpoint-(\d+))", c.logs(job.id))
+            assert resumed and resumed[-1][1] == saved.group(1), resumed
+    finally:
+        svc.stop()
