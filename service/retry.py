@@ -28,6 +28,8 @@ def decide(
     count_cluster_restarts: bool = False,
     drain_confirmed: bool = True,
     elastic: bool = False,
+    node_losses: int = 0,
+    max_free_node_losses: int = 20,
 ) -> RetryDecision:
     """Retry a retryable end while attempts remain, after exponential backoff (doubling, capped).
 
@@ -38,8 +40,11 @@ def decide(
     (service.nodes). A `node_draining` end is claimed from the job's own side (its driver, with the attempt's token);
     one Ray does not bear out is retried as a counted failure, so a job cannot buy itself endless free retries by
     saying its node drains. `elastic`: the job runs at any size in a range; a node it lost (borne out the same way)
-    makes it shrink onto the nodes that stay, at once and not counted, rather than fail.
+    makes it shrink onto the nodes that stay, at once and not counted, rather than fail. `node_losses`: the job's
+    earlier attempts that ended so (drained or lost a node); past `max_free_node_losses` they count like any failure,
+    so a job that can take its own node down cannot be retried without end.
     """
+    drain_confirmed = drain_confirmed and node_losses < max_free_node_losses
     if reason is EndReason.SUCCEEDED:
         return RetryDecision(False, why="succeeded")
     if reason is EndReason.PREEMPTED:

@@ -62,6 +62,9 @@ class Settings(BaseSettings):
     # An attempt lost with a Ray head restart is retried from its checkpoint; by default it does not use up the job's
     # retries.max_attempts (it was not the job's fault).
     count_cluster_restarts: bool = False
+    # Drained attempts (and an elastic job's lost nodes) are retried without counting against max_attempts up to this
+    # many times per job; past it they count, so a job that takes its own node down cannot be retried without end.
+    max_free_node_losses: int = Field(20, ge=0)
     # With Ray's GCS fault tolerance a restarted head keeps the cluster and its jobs, but not the processes that ran on
     # it. True: each attempt's Ray driver is placed off the head node, so running jobs outlive a head restart.
     ray_drivers_off_head: bool = False

@@ -97,6 +97,16 @@ def test_an_elastic_job_that_loses_a_node_shrinks_instead_of_failing(
     assert (d.retry, d.uncounted, d.delay_seconds) == ((True, True, 0.0) if uncounted else (False, False, 0.0))
 
 
+@pytest.mark.parametrize(("losses", "free"), [(0, True), (19, True), (20, False), (50, False)])
+def test_free_retries_for_lost_or_drained_nodes_are_bounded(losses: int, free: bool) -> None:
+    """Past max_free_node_losses earlier drained or lost-node attempts, a drain counts like any failure (backoff,
+    and it uses up max_attempts): a job that takes its own node down cannot be retried without end."""
+    for reason, elastic in ((EndReason.NODE_DRAINING, False), (EndReason.NODE_LOST, True)):
+        d = decide(reason=reason, attempt=3, max_attempts=3, backoff_seconds=10, max_backoff_seconds=60,
+                   elastic=elastic, node_losses=losses, max_free_node_losses=20)  # fmt: skip
+        assert (d.retry, d.uncounted) == ((True, True) if free else (False, False)), (reason, losses)
+
+
 def test_drained_attempts_do_not_use_up_max_attempts() -> None:
     """Attempts 1 and 2 ended on drain notices (counted in `preemptions`): a worker loss on attempt 3 of 2 allowed is
     the job's first failure, so it is retried; without the two drains it would be its third, and final."""
