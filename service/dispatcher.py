@@ -303,7 +303,8 @@ class Dispatcher:
             retry_on_timeout=retries.retry_on_timeout, preemptions=job.preemptions,
             cluster_restarts=job.cluster_restarts, count_cluster_restarts=self.settings.count_cluster_restarts,
             drain_confirmed=self.nodes.confirms(attempt.started_at, message),
-            elastic=spec is not None and spec.resources.elastic, node_losses=self._node_losses(job, attempt),
+            elastic=spec is not None and spec.resources.elastic,
+            node_losses=progress.node_losses(self.engine, job.id, attempt.id, reason),
             max_free_node_losses=self.settings.max_free_node_losses,
         )  # fmt: skip
         now = utcnow()
@@ -341,12 +342,6 @@ class Dispatcher:
         self._stop_sent.pop(attempt.submission_id, None)
         if asked:  # read before the transition, which clears the job's preempt_requested_at
             self._host_effect(job, "preemption notice", self._clear_notice, job)
-
-    def _node_losses(self, job: Job, attempt: Attempt) -> int:
-        lost = (EndReason.NODE_DRAINING, EndReason.NODE_LOST)
-        with Session(self.engine) as session:
-            return len(session.exec(select(Attempt.id).where(Attempt.job_id == job.id, Attempt.id != attempt.id,
-                                                             col(Attempt.end_reason).in_(lost))).all())  # fmt: skip
 
     def _abandon(self, job: Job, message: str) -> None:
         """The last resort for a job shunter cannot handle: stop what Ray runs of it and end it FAILED (infra)."""

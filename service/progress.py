@@ -242,3 +242,16 @@ def steps_lost(session: Session, job_id: str) -> str:
     if resume is None:
         return "no checkpoint: resumes from the start" + (f"; {last} steps lost" if last else "")
     return f"resumes from step {resume}; {max(0, (last or 0) - resume)} steps lost"
+
+
+def node_losses(engine: Engine, job_id: str, attempt_id: int | None, reason: EndReason) -> int:
+    """For an attempt ending `reason`: how many earlier attempts of the job drained or lost a node (service.retry
+    bounds their free retries). Asked only for those ends: every other one is decided without it, so a database that
+    lacks the newer end reasons (not migrated yet) fails no other end."""
+    lost = (EndReason.NODE_DRAINING, EndReason.NODE_LOST)
+    if reason not in lost:
+        return 0
+    with Session(engine) as session:
+        earlier = (Attempt.job_id == job_id, Attempt.id != attempt_id, col(Attempt.end_reason).in_(lost))
+        rows = session.exec(select(Attempt.id).where(*earlier)).all()
+    return len(rows)

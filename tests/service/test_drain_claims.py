@@ -49,3 +49,25 @@ def test_the_first_sighting_counts_not_the_latest() -> None:
         history.observe(view(dead=(A,)), T0 + timedelta(seconds=offset))
     assert not history.confirms(T0, A)
     assert history.confirms(T0.replace(tzinfo=None) - timedelta(seconds=120), A)  # a naive start reads as UTC
+
+
+def test_earlier_node_losses_are_counted_from_the_attempts(db: object) -> None:
+    """What bounds the free retries (SHUNTER_MAX_FREE_NODE_LOSSES): earlier attempts that drained or lost a node."""
+    from sqlmodel import Session
+
+    from service.models import Attempt, EndReason, Job
+    from service.progress import node_losses
+
+    with Session(db) as session:  # type: ignore[arg-type]
+        job = Job(name="j", spec={}, attempt=4)
+        session.add(job)
+        session.flush()
+        ends = [EndReason.NODE_DRAINING, EndReason.WORKER_LOST, EndReason.NODE_LOST, None]
+        for number, end in enumerate(ends, start=1):
+            session.add(Attempt(job_id=job.id, number=number, submission_id=f"s-{job.id}-{number}", end_reason=end))
+        session.commit()
+        current = max(a.id for a in session.query(Attempt).all() if a.job_id == job.id)
+        job_id = job.id
+    assert node_losses(db, job_id, current, EndReason.NODE_LOST) == 2  # type: ignore[arg-type]
+    assert node_losses(db, job_id, current, EndReason.NODE_DRAINING) == 2  # type: ignore[arg-type]
+    assert node_losses(db, job_id, current, EndReason.WORKER_LOST) == 0  # type: ignore[arg-type]  # not asked
