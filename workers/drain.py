@@ -16,8 +16,8 @@ Script mode: the Ray worker that runs the script passes the notice on in a file 
 `Trainer` callback (`workers.hf_callback`) agrees on it across the script's ranks at a step's end, saves and ends
 training there, and the worker then stops the attempt the same way (`script_stopped`).
 
-A loop that never reports through shunter's helpers is not asked and gets Ray's usual path: its workers die with the
-node at the deadline, and the attempt ends as `worker_lost` or `node_lost`, retried from its last checkpoint.
+A loop that never reports through shunter's helpers is not asked: it trains on until the deadline, when Ray Train
+tears its group down (`PreemptionError`, recorded as `node_draining` too), and resumes from its last checkpoint.
 """
 
 from __future__ import annotations

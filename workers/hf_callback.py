@@ -93,15 +93,6 @@ def drain_agreed(control_dir: os.PathLike[str] | str) -> bool:
     """Whether the Ray worker of any rank passed on a drain notice (`workers.drain.DRAIN_FILE`): every rank's own view,
     agreed by an all-reduce in the script's process group, so that all of them save at the same step."""
     from workers.drain import DRAIN_FILE
+    from workers.ranks import any_rank
 
-    seen = os.path.exists(os.path.join(control_dir, DRAIN_FILE))
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return seen
-    import torch
-
-    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    flag = torch.tensor([1 if seen else 0], device=on)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    return any_rank(os.path.exists(os.path.join(control_dir, DRAIN_FILE)))

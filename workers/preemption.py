@@ -69,16 +69,10 @@ def requested() -> bool:
             _seen = _marker_exists()
         except OSError:
             _seen = False
-    import torch
-    import torch.distributed as dist
+    from workers.ranks import any_rank
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        flag = torch.tensor([1 if _seen else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        _answered = bool(flag.item())
-        return _answered
-    _answered = _seen
-    return _seen
+    _answered = any_rank(_seen)
+    return _answered
 
 
 def hold(seconds: float = HOLD_SECONDS) -> None:

@@ -13,3 +13,16 @@ def world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` is true on any rank: a collective (every rank must call it), the same answer everywhere. On the
+    backend's own device (NCCL reduces only CUDA tensors); without a process group, the flag itself."""
+    if world()[1] == 1:
+        return flag
+    import torch
+
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    tensor = torch.tensor([1 if flag else 0], device=on)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())
