@@ -200,7 +200,7 @@ def _start_attempt(
                      message=f"{grew} from {before} to {world_size} workers (attempt {number} resumes from the "
                              f"latest checkpoint at the new size)")  # fmt: skip
     values: dict[str, Any] = {"attempt": number, "step": None, "latest_metrics": None, "progress_at": None,
-                              "world_size": world_size}  # fmt: skip
+                              "world_size": world_size, "stalled_at": None}  # fmt: skip
     values.update(leases.lease_values(owner, now, settings.lease_seconds))
     transition(session, job, to=JobState.STARTING, reason="admitted", actor=owner, values=values, now=now,
                message=message)  # fmt: skip

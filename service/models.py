@@ -56,6 +56,8 @@ class EndReason(str, Enum):
     PREEMPTED = "preempted"  # stopped to make room for a higher-priority job; requeued, not a failure
     NODE_DRAINING = "node_draining"  # a node announced its end: checkpointed and stopped; requeued, not a failure
     CLUSTER_RESTARTED = "cluster_restarted"  # the Ray head restarted and lost its Jobs: not the job's fault
+    PREFLIGHT_FAILED = "preflight_failed"  # a rank failed the check before training (workers.preflight): names it
+    STALLED = "stalled"  # reported progress, then none for stall_timeout_seconds: every rank's stack was dumped
     INFRA = "infra"  # Ray or shunter itself failed: submission refused, driver vanished
 
     def is_retryable(self) -> bool:
@@ -67,6 +69,8 @@ class EndReason(str, Enum):
             EndReason.CLUSTER_RESTARTED,
             EndReason.OUT_OF_MEMORY,
             EndReason.NODE_DRAINING,  # counted only when Ray does not bear the drain out (service.retry)
+            EndReason.PREFLIGHT_FAILED,  # retried off the node it names (service.exclusion)
+            EndReason.STALLED,
         }
 
 
@@ -83,6 +87,9 @@ class EventKind(str, Enum):
     HOST = "host"  # a fault of shunter's own host while handling the job (skipped, retried next tick)
     DRAIN = "drain"  # a node of the attempt announced its end: the notice, the checkpoint, the steps lost
     RESIZED = "resized"  # an elastic job's attempt runs at another world size than the one before
+    PREFLIGHT = "preflight"  # the worker group's check before training: its result, a slow rank's warning
+    STALL = "stall"  # no progress for stall_timeout_seconds: every rank's stack dumped, then the attempt stopped
+    NODE = "node"  # a node kept out of the job's next attempt (or of everyone's admissions), or let back in
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -158,6 +165,7 @@ class Job(SQLModel, table=True):
     cluster_restarts: int = 0  # attempts lost with a Ray head restart: not counted unless the settings say so
     world_size: int | None = None  # workers of the current attempt, as admitted (an elastic job: within [min, max])
     preempt_requested_at: datetime | None = Field(default=None, sa_column=_tz())
+    stalled_at: datetime | None = Field(default=None, sa_column=_tz())  # the current attempt's stacks were asked for
 
     # Progress, written by the job's own Train callback (fenced by attempt), read by status without asking Ray.
     step: int | None = None
@@ -189,6 +197,8 @@ class Attempt(SQLModel, table=True):
     # What the attempt's worker group held from started_at to ended_at (fair share and usage accounting).
     cpus: float = Field(default=0.0, sa_column_kwargs={"server_default": "0"})
     gpus: float = Field(default=0.0, sa_column_kwargs={"server_default": "0"})
+    # The worker group's pre-flight check (workers.preflight): per-rank facts and timings, what failed or was slow.
+    preflight: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
 
 
 class JobEvent(SQLModel, table=True):
@@ -235,6 +245,26 @@ class Metric(SQLModel, table=True):
     name: str = Field(max_length=128)
     value: float
     at: datetime = Field(default_factory=utcnow, sa_column=_tz())
+
+
+class NodeFault(SQLModel, table=True):
+    """A node an attempt's end named as at fault (a failed pre-flight, a lost worker or a collective timeout there).
+    `service.exclusion` reads these to keep the node out of the job's retries and, when several jobs failed on it, out
+    of everyone's admissions for a cool-down; an admin's clear sets `cleared_at` on all of a node's faults."""
+
+    __tablename__ = "node_faults"
+    __table_args__ = (Index("ix_node_faults_job", "job_id"), Index("ix_node_faults_at", "at"))
+
+    id: int | None = Field(default=None, primary_key=True)
+    node_id: str = Field(max_length=64)
+    address: str | None = Field(default=None, max_length=255)
+    job_id: str = Field(foreign_key="jobs.id", max_length=32)
+    attempt: int
+    reason: str = Field(max_length=32)  # the attempt's EndReason value
+    message: str | None = Field(default=None, sa_column=Column(Text))
+    at: datetime = Field(default_factory=utcnow, sa_column=_tz())
+    cleared_at: datetime | None = Field(default=None, sa_column=_tz())
+    cleared_by: str | None = Field(default=None, max_length=128)
 
 
 class ClusterSnapshot(SQLModel, table=True):

@@ -262,6 +262,17 @@ class CheckpointSpec(StrictModel):
         return int(self.resume_from) if _CHECKPOINT_ID.fullmatch(self.resume_from) else None
 
 
+class Preflight(StrictModel):
+    """The check every worker group runs before the job's own code (`workers.preflight`)."""
+
+    enabled: StrictBool = Field(True, description="run the check before each attempt's training starts")
+    slow_factor: float = Field(
+        4.0, ge=1.0, le=1000.0,
+        description="a rank this many times slower than the median fails the attempt on GPUs (on CPU it warns)",
+    )  # fmt: skip
+    timeout_seconds: float = Field(60.0, ge=1.0, le=600.0, description="the longest any step of the check may take")
+
+
 class JobSpec(StrictModel):
     """What a user submits (YAML or JSON)."""
 
@@ -276,6 +287,12 @@ class JobSpec(StrictModel):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     runtime_env: dict[str, Any] = Field(default_factory=dict)
     timeout_seconds: float | None = Field(None, gt=0, le=30 * 86400)
+    preflight: Preflight = Field(default_factory=Preflight)
+    stall_timeout_seconds: float | None = Field(
+        None, gt=0, le=7 * 86400,
+        description="an attempt that reported progress and then none for this long is stalled (default: from its "
+                    "step times)",
+    )  # fmt: skip
 
     @field_validator("name")
     @classmethod

@@ -237,6 +237,12 @@ def spec_bodies(draw: st.DrawFn) -> dict[str, Any]:
     optional(draw, runtime_env, "pip", st.lists(st.sampled_from(["numpy", "tqdm==4.66.0"]), max_size=2))
     optional(draw, body, "runtime_env", st.just(runtime_env))
     optional(draw, body, "timeout_seconds", st.integers(1, 30 * 86400) | st.floats(0.001, 30 * 86400))
+    preflight: dict[str, Any] = {}
+    optional(draw, preflight, "enabled", st.booleans())
+    optional(draw, preflight, "slow_factor", st.integers(1, 1000) | st.floats(1.0, 1000.0))
+    optional(draw, preflight, "timeout_seconds", st.integers(1, 600) | st.floats(1.0, 600.0))
+    optional(draw, body, "preflight", st.just(preflight))
+    optional(draw, body, "stall_timeout_seconds", st.integers(1, 7 * 86400) | st.floats(0.001, 7 * 86400))
     return body
 
 
