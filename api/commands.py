@@ -25,6 +25,7 @@ from rich.table import Column, Table
 from api.client import ApiError, Client
 from api.console import console, err
 from api.schemas import EventPublic, UsagePublic
+from service import preflight
 
 app = typer.Typer(help="Talk to a shunter server.", no_args_is_help=True, add_completion=False)
 
@@ -125,6 +126,7 @@ def status(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None,
     """One job: state, attempt, step, loss, checkpoint, error."""
     with _calling(server, token) as c:
         job = c.get(job_id)
+        attempts = c.attempts(job_id) if job.attempt and not as_json else []
     if as_json:
         _print_json(job)
         return
@@ -139,6 +141,10 @@ def status(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None,
             value = _start_text(value)
         if value is not None:
             table.add_row(f"[bold]{key}[/bold]", str(value))
+    current = next((a for a in attempts if a.number == job.attempt), None)
+    checked = preflight.summary(current.preflight) if current is not None else None
+    if checked:
+        table.add_row("[bold]preflight[/bold]", f"attempt {job.attempt}: {checked}")
     console.print(table)
 
 

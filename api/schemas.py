@@ -89,6 +89,7 @@ class AttemptPublic(_Out):
     ended_at: datetime | None = None
     end_reason: str | None = None
     message: str | None = None
+    preflight: dict[str, Any] | None = Field(None, description="the worker group's pre-flight check, as it ran")
 
 
 class CheckpointPublic(_Out):
@@ -157,6 +158,22 @@ class ClusterPublic(BaseModel):
     available: dict[str, float]
     # Which node holds which worker is not recorded yet: running jobs are listed for the whole cluster.
     jobs: list[ClusterJob]
+    excluded_nodes: list[ExcludedNode] = Field(default_factory=list, description="kept out of every admission")
+
+
+class ExcludedNode(BaseModel):
+    """A node on which several jobs failed: kept out of every admission until `until`, or an admin's clear."""
+
+    node_id: str
+    address: str | None = None
+    why: str
+    jobs: list[str]
+    until: datetime
+
+
+class ClearedNode(BaseModel):
+    node_id: str
+    cleared_faults: int
 
 
 class ReadyBody(BaseModel):

@@ -7,6 +7,7 @@ write transaction under the admission lock, so several dispatchers never hand ou
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -14,7 +15,7 @@ from sqlalchemy import update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from service import fairshare, growth, leases, queues, quotas, resources, scheduler, standing
+from service import exclusion, fairshare, growth, leases, queues, quotas, resources, scheduler, standing
 from service.backend import ClusterView, submission_id
 from service.db import session_scope
 from service.models import ACTIVE_STATES, Attempt, EndReason, EventKind, Job, JobState, utcnow
@@ -58,7 +59,9 @@ def admit(
                 waiting.append((job, spec))
         if not waiting and not _may_grow(session, settings, spec_of):
             return [], []
-        nodes = [scheduler.NodeFree(n.node_id, dict(n.available)) for n in cluster.nodes if n.alive]
+        everyone, per_job = exclusion.excluded(session, [j.id for j, _ in waiting], settings.exclusion_rules(), now=now)
+        nodes = [scheduler.NodeFree(n.node_id, dict(n.available)) for n in cluster.nodes
+                 if n.alive and n.node_id not in everyone]  # fmt: skip
         # Every admitted job counts against its queue's limits; the placed and unplaced ones may also be preempted.
         admitted = session.exec(select(Job).where(col(Job.state).in_(ACTIVE_STATES))).all()
         active = [j for j in admitted if j.state in (JobState.STARTING, JobState.RUNNING)]
@@ -66,7 +69,9 @@ def admit(
         for job in active:
             if job.state == JobState.STARTING:
                 resources.take_spread([n.free for n in nodes], resources_of(job))
-        candidates = [candidate(job, spec) for job, spec in waiting]
+        candidates = [kept_off(candidate(job, spec), per_job.get(job.id), cluster) for job, spec in waiting]
+        kept = {c.job_id: sorted(c.excluded | set(everyone)) for c in candidates}
+        kept_why = {c.job_id: {n: per_job[c.job_id][n] for n in c.excluded} for c in candidates if c.excluded}
         limits, rules = queues.limits(session, settings), settings.quota_rules()
         held = standing.held(admitted, resources_of)
         usage = standing.fair_usage(session, fair, now)
@@ -90,7 +95,8 @@ def admit(
             size = decision.sizes.get(job_id, res.max_workers)
             said = f"at {size} workers of {res.min_workers} to {res.max_workers}" if res.elastic else None
             started.append(_start_attempt(session, job, owner=owner, now=now, settings=settings,
-                                          held=res.total(size), world_size=size, message=said))  # fmt: skip
+                                          held=res.total(size), world_size=size, message=said,
+                                          excluded=kept[job_id], why=kept_why.get(job_id)))  # fmt: skip
         for job_id, why in decision.waiting.items():
             if by_id[job_id].state_reason != why:
                 leases.set_reason(session, job_id, why)
@@ -190,22 +196,20 @@ def _without_one_running(held: dict[quotas.Scope, quotas.Held], cand: scheduler.
 
 def _start_attempt(
     session: Session, job: Job, *, owner: str, now: datetime, settings: Settings, held: dict[str, float],
-    world_size: int, message: str | None = None,
+    world_size: int, message: str | None = None, excluded: list[str] | None = None, why: dict[str, str] | None = None,
 ) -> Job:  # fmt: skip
     number = job.attempt + 1
-    before = job.world_size  # the size of the attempt before (None: the first one)
-    if before is not None and before != world_size:
-        grew = "grows" if world_size > before else "shrinks"
-        record_event(session, job.id, kind=EventKind.RESIZED, reason="resized", attempt=number, actor=owner, at=now,
-                     message=f"{grew} from {before} to {world_size} workers (attempt {number} resumes from the "
-                             f"latest checkpoint at the new size)")  # fmt: skip
+    for node, said in sorted((why or {}).items()):
+        record_event(session, job.id, kind=EventKind.NODE, reason="node_excluded", attempt=number, actor=owner, at=now,
+                     message=f"attempt {number} is kept off node {node}: it {said}")  # fmt: skip
     values: dict[str, Any] = {"attempt": number, "step": None, "latest_metrics": None, "progress_at": None,
                               "world_size": world_size, "stalled_at": None}  # fmt: skip
     values.update(leases.lease_values(owner, now, settings.lease_seconds))
     transition(session, job, to=JobState.STARTING, reason="admitted", actor=owner, values=values, now=now,
                message=message)  # fmt: skip
     session.add(Attempt(job_id=job.id, number=number, submission_id=submission_id(job.id, number), started_at=now,
-                        cpus=held.get("CPU", 0.0), gpus=held.get("GPU", 0.0)))  # fmt: skip
+                        cpus=held.get("CPU", 0.0), gpus=held.get("GPU", 0.0),
+                        excluded_nodes=excluded or None))  # fmt: skip
     return job
 
 
@@ -224,6 +228,18 @@ def candidate(job: Job, spec: JobSpec) -> scheduler.Candidate:
         placement=spec.resources.placement.value,
         run_seconds=spec.timeout_seconds,
     )
+
+
+def kept_off(cand: scheduler.Candidate, nodes: dict[str, str] | None, cluster: ClusterView) -> scheduler.Candidate:
+    """The candidate kept off its own excluded nodes, unless the rest of the cluster could never hold its group (by
+    total room, not free): a job is then run where it can, never left waiting for ever."""
+    if not nodes:
+        return cand
+    kept = replace(cand, excluded=frozenset(nodes), num_workers=cand.min_workers or cand.num_workers)
+    whole = [scheduler.NodeFree(n.node_id, dict(n.total)) for n in cluster.nodes if n.alive]
+    if scheduler.place(kept, whole) is None:
+        return cand
+    return replace(cand, excluded=frozenset(nodes))
 
 
 def _timeout(spec_of: SpecOf, job: Job) -> float | None:

@@ -199,6 +199,9 @@ class Attempt(SQLModel, table=True):
     gpus: float = Field(default=0.0, sa_column_kwargs={"server_default": "0"})
     # The worker group's pre-flight check (workers.preflight): per-rank facts and timings, what failed or was slow.
     preflight: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    # Ray nodes this attempt's workers were kept off (service.exclusion), as admission decided; the driver's label
+    # selector keeps Ray's placement off them too.
+    excluded_nodes: list[str] | None = Field(default=None, sa_column=Column(JSON))
 
 
 class JobEvent(SQLModel, table=True):

@@ -14,6 +14,7 @@ from sqlalchemy import update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from service import exclusion
 from service.db import begin_write
 from service.models import ACTIVE_STATES, Attempt, Checkpoint, EndReason, EventKind, Job, JobEvent, Metric, utcnow
 from service.state import record_event
@@ -223,6 +224,9 @@ def record_attempt_end(engine: Engine, *, job_id: str, attempt: int, reason: End
             row.end_reason = reason
             row.message = message[-4000:]
             session.add(row)
+            failed = (row.preflight or {}).get("failed") or {}
+            exclusion.record(session, job_id=job_id, attempt=attempt, reason=reason, message=message,
+                             address=failed.get("address"))  # fmt: skip
             session.commit()
             return True
     return False

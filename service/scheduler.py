@@ -28,6 +28,7 @@ class Candidate:
     team: str | None = None
     run_seconds: float | None = None  # its timeout: the longest it can run once started (fair share's projection)
     min_workers: int | None = None  # an elastic group: starts at any size in [min_workers, num_workers]
+    excluded: frozenset[str] = frozenset()  # nodes its workers are kept off (service.exclusion)
 
     def total(self) -> dict[str, float]:
         return resources.scaled(self.per_worker, self.num_workers)
@@ -60,9 +61,10 @@ def place(candidate: Candidate, nodes: list[NodeFree]) -> list[str] | None:
     """Node ids for each worker, or None if the whole group cannot be placed now. Never a partial group.
 
     pack fills the fullest-fitting nodes first; spread puts each worker on the node with most room;
-    strict_pack needs one node for all; strict_spread needs a distinct node per worker.
+    strict_pack needs one node for all; strict_spread needs a distinct node per worker. Nodes the candidate is
+    kept off (`excluded`) are not used.
     """
-    free = {n.node_id: dict(n.free) for n in nodes}
+    free = {n.node_id: dict(n.free) for n in nodes if n.node_id not in candidate.excluded}
     need = candidate.per_worker
     chosen: list[str] = []
     if candidate.placement == "strict_pack":

@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import socket
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.auth import TokenInfo
+from service.exclusion import Rules
 from service.fairshare import FairShare
 from service.quotas import Quotas, parse_queue_limit
 from service.spec import MAX_SPEC_DEPTH, QUEUE_NAME
@@ -65,6 +67,12 @@ class Settings(BaseSettings):
     # Drained attempts (and an elastic job's lost nodes) are retried without counting against max_attempts up to this
     # many times per job; past it they count, so a job that takes its own node down cannot be retried without end.
     max_free_node_losses: int = Field(20, ge=0)
+    # Node exclusion (service.exclusion): a node named by a failed pre-flight check, or this many times by a lost worker
+    # or a collective timeout, is kept out of that job's retries; one on which this many distinct jobs failed within
+    # the cool-down is kept out of everyone's admissions until the cool-down has passed (or an admin clears it).
+    node_exclusion_repeats: int = Field(2, ge=1)
+    node_exclusion_jobs: int = Field(3, ge=1)
+    node_exclusion_cooldown_seconds: float = Field(1800.0, ge=0)
     # With Ray's GCS fault tolerance a restarted head keeps the cluster and its jobs, but not the processes that ran on
     # it. True: each attempt's Ray driver is placed off the head node, so running jobs outlive a head restart.
     ray_drivers_off_head: bool = False
@@ -139,6 +147,10 @@ class Settings(BaseSettings):
 
     def quota_rules(self) -> Quotas:
         return Quotas.parse(self.quotas)
+
+    def exclusion_rules(self) -> Rules:
+        return Rules(repeats=self.node_exclusion_repeats, jobs=self.node_exclusion_jobs,
+                     cooldown=timedelta(seconds=self.node_exclusion_cooldown_seconds))  # fmt: skip
 
     def fair_share_config(self) -> FairShare:
         return FairShare.parse(self.fair_share)

@@ -15,11 +15,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from sqlmodel import Session
+from sqlmodel import Session, select
 
 from service import attempt_tokens, tenancy
 from service.errors import InvalidSpec
-from service.models import Checkpoint, Job
+from service.models import Attempt, Checkpoint, Job
 from service.settings import Settings
 from service.spec import JobSpec
 from service.storage import STORE_LOCATION_ENV
@@ -53,6 +53,9 @@ def resume_uri(session: Session, job: Job, spec: JobSpec) -> str | None:
     return row.uri
 
 
+EXCLUDED_NODES_ENV = "SHUNTER_EXCLUDED_NODES"  # Ray node ids, comma-separated (workers.driver reads it)
+
+
 def build(session: Session, job: Job, spec: JobSpec, settings: Settings) -> Submission:
     """The attempt's entrypoint, runtime_env (the spec's, plus what the driver needs) and dashboard metadata."""
     runtime_env = json.loads(json.dumps(spec.runtime_env))
@@ -79,6 +82,9 @@ def build(session: Session, job: Job, spec: JobSpec, settings: Settings) -> Subm
             "SHUNTER_WORLD_SIZE": str(spec.resources.workers(job.world_size)),
         }
     )
+    row = session.exec(select(Attempt).where(Attempt.job_id == job.id, Attempt.number == job.attempt)).first()
+    if row is not None and row.excluded_nodes:  # kept off by admission (service.exclusion): Ray's placement too
+        env_vars[EXCLUDED_NODES_ENV] = ",".join(row.excluded_nodes)
     resume = resume_uri(session, job, spec)
     if resume:
         env_vars["SHUNTER_RESUME_FROM"] = resume

@@ -114,6 +114,10 @@ class AttemptApi:
                 "checkpoint_complete": complete, "progress": False}  # fmt: skip
         return self.send_report(body, patience=patience)
 
+    def preflight(self, report: dict[str, Any], *, patience: float = 0.0) -> bool:
+        """The worker group's pre-flight result (`workers.preflight`); the attempt keeps the first one sent."""
+        return bool(self._call("POST", "preflight", {"report": report}, patience=patience)["recorded"])
+
     def warning(self, code: str, message: str) -> bool:
         return bool(self._call("POST", "warning", {"code": code, "message": message[:4000]})["recorded"])
 

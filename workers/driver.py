@@ -38,6 +38,8 @@ def classify_failure(exc: BaseException) -> EndReason:
     names |= {type(exc).__name__}
     text = " ".join(f"{type(e).__name__}: {e}" for e in [exc, *failures])
     lowered = text.lower()
+    if "PreflightFailed" in names:  # a rank failed the check before training (workers.preflight): it names the node
+        return EndReason.PREFLIGHT_FAILED
     if "PreemptionError" in names:  # a node's drain deadline passed before the loop checkpointed and stopped
         return EndReason.NODE_DRAINING
     if "OutOfMemoryError" in names or "cuda out of memory" in lowered or "running low on memory" in lowered:
@@ -121,6 +123,7 @@ def build_trainer(spec, *, job_id: str, attempt: int, storage: str, api: Attempt
         use_gpu=res.use_gpu,
         resources_per_worker=per_worker,
         placement_strategy=res.placement.ray_strategy,
+        label_selector=excluded_nodes_selector(os.environ.get(EXCLUDED_NODES_ENV, "")),
     )
     expected = strategy_to_check(spec)
     callbacks = (
@@ -148,6 +151,16 @@ def build_trainer(spec, *, job_id: str, attempt: int, storage: str, api: Attempt
         run_config=run_config,
         torch_config=TorchConfig(backend="nccl" if res.use_gpu else "gloo"),
     )
+
+
+EXCLUDED_NODES_ENV = "SHUNTER_EXCLUDED_NODES"  # service.submission sets it: the nodes admission kept this attempt off
+
+
+def excluded_nodes_selector(nodes: str) -> dict[str, str] | None:
+    """Ray's label selector that keeps every worker off these nodes (`ray.io/node-id`, Ray's own label of each node);
+    None when there are none. Node ids are hex: anything else in the list is dropped, not passed to Ray."""
+    ids = [n for n in (p.strip() for p in nodes.split(",")) if n and all(c in "0123456789abcdef" for c in n)]
+    return {"ray.io/node-id": f"!in({','.join(ids)})"} if ids else None
 
 
 def strategy_to_check(spec: JobSpec) -> StrategyKind | None:

@@ -22,16 +22,24 @@ def train_loop_for(spec: JobSpec) -> tuple[Callable[[dict[str, Any]], None], dic
     (`workers.progress.report_restored`)."""
     loop, config = _user_loop(spec)
     # Script mode says it started once every rank's script process is up (workers.script), not before.
-    return functools.partial(run_loop, loop=loop, announce=not spec.entrypoint.script), config
+    checks = spec.preflight.model_dump(mode="json")
+    return functools.partial(run_loop, loop=loop, announce=not spec.entrypoint.script, preflight=checks), config
 
 
-def run_loop(config: dict[str, Any], *, loop: Callable[..., Any], announce: bool = True) -> Any:
-    """Run the job's own train loop on this worker, after rank 0 has reported the checkpoint it resumes from and,
-    with `announce`, that every rank's loop has started (RUNNING); the loop is called as Ray Train would call it
-    (with the config when it takes an argument). A loop stopped by a drain notice returns `workers.drain.drained`."""
+def run_loop(
+    config: dict[str, Any], *, loop: Callable[..., Any], announce: bool = True, preflight: dict[str, Any] | None = None
+) -> Any:
+    """Run the job's own train loop on this worker, after the pre-flight check (`workers.preflight`, when the spec's
+    `preflight` is enabled), after rank 0 has reported the checkpoint it resumes from and, with `announce`, that every
+    rank's loop has started (RUNNING); the loop is called as Ray Train would call it (with the config when it takes an
+    argument). A loop stopped by a drain notice returns `workers.drain.drained`."""
     from workers.drain import NodeDraining, drained
     from workers.progress import announce_started, report_restored
 
+    if preflight is not None and preflight.get("enabled", True):
+        from workers import preflight as check
+
+        check.run(preflight)  # raises PreflightFailed, naming the rank and node at fault
     report_restored()
     if announce:
         announce_started()

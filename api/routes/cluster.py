@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
 
-from api.deps import CallerDep, SessionDep
+from fastapi import APIRouter, Path
+
+from api.deps import CallerDep, SessionDep, SettingsDep
 from api.routes.jobs import to_public
-from api.schemas import ERROR_RESPONSES, ClusterJob, ClusterPublic, NodePublic
-from service import jobs
+from api.schemas import ERROR_RESPONSES, ClearedNode, ClusterJob, ClusterPublic, ExcludedNode, NodePublic
+from service import exclusion, jobs
+from service.db import begin_write
+from service.errors import Forbidden, NotFound
 from service.models import utcnow
 from service.spec import JobSpec
 
@@ -15,7 +19,7 @@ router = APIRouter(prefix="/v1/cluster", tags=["cluster"], responses=ERROR_RESPO
 
 
 @router.get("", response_model=ClusterPublic)
-def cluster(session: SessionDep, caller: CallerDep) -> ClusterPublic:
+def cluster(session: SessionDep, caller: CallerDep, settings: SettingsDep) -> ClusterPublic:
     """Nodes, total and free resources, the Ray dashboard URL, and the running jobs the caller may see."""
     snap = jobs.cluster_snapshot(session)
     running = []
@@ -29,8 +33,11 @@ def cluster(session: SessionDep, caller: CallerDep) -> ClusterPublic:
                 ray_dashboard_url=public.ray_dashboard_url,
             )
         )
+    everyone, _ = exclusion.excluded(session, [], settings.exclusion_rules())
+    excluded = [ExcludedNode(node_id=e.node_id, address=e.address, why=e.why, jobs=list(e.jobs), until=e.until)
+                for e in everyone.values()]  # fmt: skip
     if snap is None:
-        return ClusterPublic(nodes=[], total={}, available={}, jobs=running)
+        return ClusterPublic(nodes=[], total={}, available={}, jobs=running, excluded_nodes=excluded)
     return ClusterPublic(
         dashboard_url=snap.dashboard_url,
         taken_at=snap.taken_at,
@@ -39,4 +46,23 @@ def cluster(session: SessionDep, caller: CallerDep) -> ClusterPublic:
         total=snap.total,
         available=snap.available,
         jobs=running,
+        excluded_nodes=excluded,
     )
+
+
+NodeId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+@router.delete("/excluded-nodes/{node_id}", response_model=ClearedNode)
+def clear_node(node_id: NodeId, session: SessionDep, caller: CallerDep) -> ClearedNode:
+    """Let a node back in for every job (admins only): the failures recorded on it so far no longer count, for the
+    cluster-wide cool-down and for each job's own retries alike. 404 when nothing kept it out."""
+    if not caller.admin:
+        raise Forbidden("only an admin may let an excluded node back in")
+    begin_write(session)
+    cleared = exclusion.clear(session, node_id, actor=caller.owner)
+    if not cleared:
+        session.rollback()
+        raise NotFound(f"node {node_id} has no failures recorded against it")
+    session.commit()
+    return ClearedNode(node_id=node_id, cleared_faults=cleared)

@@ -18,7 +18,7 @@ from sqlmodel import Session
 
 from api.deps import RuntimeDep, SettingsDep
 from api.schemas import ERROR_RESPONSES
-from service import attempt_tokens, progress
+from service import attempt_tokens, preflight, progress
 from service.errors import Conflict, Forbidden, NotFound, Unauthorized
 from service.models import ACTIVE_STATES, EndReason, Job, JobState
 
@@ -160,6 +160,18 @@ def end(scope: Scope, body: EndBody, rt: RuntimeDep) -> Recorded:
         rt.engine, job_id=job_id, attempt=attempt, reason=body.reason, message=body.message
     )
     return Recorded(recorded=recorded)
+
+
+class PreflightBody(_Body):
+    report: preflight.PreflightReport
+
+
+@router.post("/{job_id}/{attempt}/preflight", response_model=Recorded)
+def preflight_result(scope: Scope, body: PreflightBody, rt: RuntimeDep) -> Recorded:
+    """The worker group's pre-flight check (once per attempt: the first result sent is kept)."""
+    job_id, attempt = scope
+    with Session(rt.engine) as session:
+        return Recorded(recorded=preflight.record(session, job_id=job_id, attempt=attempt, report=body.report))
 
 
 @router.post("/{job_id}/{attempt}/warning", response_model=Recorded)

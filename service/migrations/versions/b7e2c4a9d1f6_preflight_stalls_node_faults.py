@@ -1,5 +1,5 @@
 """Pre-flight results, stalls and node faults (issue 17): endreason gains PREFLIGHT_FAILED and STALLED on PostgreSQL;
-attempts.preflight, jobs.stalled_at, and the node_faults table that node exclusion reads
+attempts.preflight and excluded_nodes, jobs.stalled_at, and the node_faults table that node exclusion reads
 
 Revision ID: b7e2c4a9d1f6
 Revises: a6c2e9d4b8f1
@@ -11,7 +11,6 @@ from __future__ import annotations
 import sqlalchemy as sa
 import sqlmodel
 from alembic import op
-
 
 revision = "b7e2c4a9d1f6"
 down_revision = "a6c2e9d4b8f1"
@@ -25,6 +24,7 @@ def upgrade() -> None:
         op.execute("ALTER TYPE endreason ADD VALUE IF NOT EXISTS 'STALLED'")
     with op.batch_alter_table("attempts") as batch:
         batch.add_column(sa.Column("preflight", sa.JSON(), nullable=True))
+        batch.add_column(sa.Column("excluded_nodes", sa.JSON(), nullable=True))
     with op.batch_alter_table("jobs") as batch:
         batch.add_column(sa.Column("stalled_at", sa.DateTime(timezone=True), nullable=True))
     op.create_table(
@@ -53,4 +53,5 @@ def downgrade() -> None:
     with op.batch_alter_table("jobs") as batch:
         batch.drop_column("stalled_at")
     with op.batch_alter_table("attempts") as batch:
+        batch.drop_column("excluded_nodes")
         batch.drop_column("preflight")
