@@ -175,8 +175,9 @@ class MultiNode:
 
 
 @contextlib.contextmanager
-def multinode_cluster(tmp: Path) -> Iterator[MultiNode]:
-    """Head (1 CPU) + nodes `a` and `b` (1 CPU each, with custom resources `node_a` / `node_b`)."""
+def multinode_cluster(tmp: Path, node_env: dict[str, dict[str, str]] | None = None) -> Iterator[MultiNode]:
+    """Head (1 CPU) + nodes `a` and `b` (1 CPU each, with custom resources `node_a` / `node_b`); `node_env`: extra
+    environment of a worker node's raylet, by name, which its workers inherit."""
     from ray.cluster_utils import Cluster
 
     from service.ray_local import head_environment
@@ -200,7 +201,12 @@ def multinode_cluster(tmp: Path) -> Iterator[MultiNode]:
         # Each worker node on an address of its own (127.0.0.2, .3), as separate hosts are: Ray Train numbers
         # nodes and local ranks by node IP, so nodes sharing the head's IP would count as one.
         workers = {
-            name: cluster.add_node(num_cpus=1, resources={f"node_{name}": 1}, node_ip_address=f"127.0.0.{2 + i}")
+            name: cluster.add_node(
+                num_cpus=1,
+                resources={f"node_{name}": 1},
+                node_ip_address=f"127.0.0.{2 + i}",
+                env_vars=(node_env or {}).get(name),
+            )  # fmt: skip
             for i, name in enumerate(("a", "b"))
         }
         cluster.wait_for_nodes()
