@@ -146,9 +146,11 @@ def test_train_loop_for_callable_and_script() -> None:
     from examples.gpt2_tiny import train_loop
 
     # The job's own loop, run by shunter's wrapper (which first reports the checkpoint Ray Train restored, if any).
-    assert loop.func is run_loop and loop.keywords == {"loop": train_loop, "announce": True} and config == {"steps": 3}
+    checks = {"enabled": True, "slow_factor": 4.0, "timeout_seconds": 60.0}  # the spec's default pre-flight check
+    assert loop.func is run_loop and config == {"steps": 3}
+    assert loop.keywords == {"loop": train_loop, "announce": True, "preflight": checks}
     loop, config = train_loop_for(JobSpec.model_validate({"entrypoint": {"script": "x.py", "args": ["--a", "1"]}}))
-    assert loop.keywords == {"loop": run_script, "announce": False}  # a script's processes announce themselves
+    assert loop.keywords == {"loop": run_script, "announce": False, "preflight": checks}  # scripts announce themselves
     assert config == {"script": "x.py", "args": ["--a", "1"], "outputs": [], "resume_arg": None}
 
 
