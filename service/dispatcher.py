@@ -35,6 +35,7 @@ from service.nodes import NodeHistory
 from service.reconcile import (
     Action,
     AttemptFacts,
+    DumpStacks,
     Finish,
     JobFacts,
     MarkRunning,
@@ -46,6 +47,7 @@ from service.reconcile import (
 )
 from service.settings import Settings
 from service.spec import JobSpec, Retries
+from service.stall_watch import StallWatch
 from service.state import end_reason_state, record_event, transition
 
 log = logging.getLogger(__name__)
@@ -61,10 +63,9 @@ class Dispatcher:
         self.ray = ray
         self.owner = owner
         self.files = files or HostFiles(settings.data_dir)
-        self.patience = Patience(
-            submit_seconds=settings.submit_patience_seconds,
-            preemption_grace_seconds=settings.preemption_grace_seconds,
-        )
+        self.patience = Patience(submit_seconds=settings.submit_patience_seconds,
+                                 preemption_grace_seconds=settings.preemption_grace_seconds)  # fmt: skip
+        self.stalls = StallWatch(engine=engine, settings=settings, ray=ray, owner=owner)  # hang detection
         self._started = False
         self._stop_sent: dict[str, float] = {}
         self._specs: dict[str, tuple[JobSpec | None, str | None]] = {}
@@ -216,6 +217,7 @@ class Dispatcher:
             timeout_seconds=spec.timeout_seconds if spec else None, checkpointed_since_preempt=checkpointed,
             spec_error=spec_error, script=bool(spec and spec.entrypoint.script),
             num_workers=spec.resources.workers(job.world_size) if spec else 1,
+            stall=self.stalls.facts(fresh, attempt, spec),
         )  # fmt: skip
         attempt_facts = AttemptFacts(attempt.submitted, attempt.started_at, attempt.end_reason)
         info = self.ray.info(attempt.submission_id)
@@ -238,6 +240,8 @@ class Dispatcher:
             self._send_stop(attempt.submission_id)
         elif isinstance(action, Finish):
             self._finish(job, attempt, action)
+        elif isinstance(action, DumpStacks):
+            self.stalls.dump(job, attempt, action)
 
     def _submit(self, job: Job, attempt: Attempt) -> None:
         spec, error = self.spec_of(job)
@@ -291,8 +295,8 @@ class Dispatcher:
     def _finish(self, job: Job, attempt: Attempt, action: Finish) -> None:
         """Close the attempt; then end the job, or queue the next attempt if the retry policy says so."""
         reason, message = action.reason, action.message
-        if reason in (EndReason.NODE_DRAINING, EndReason.NODE_LOST) and attempt.message:  # the driver's own account
-            message = attempt.message
+        if attempt.message and reason in (EndReason.NODE_DRAINING, EndReason.NODE_LOST, EndReason.STALLED):
+            message = attempt.message  # the driver's own account (a stall's: the dispatcher's, not Ray's "stopped")
         asked = job.preempt_requested_at is not None
         log_uri = self._host_effect(job, "log", self._keep_log, job, attempt) if action.keep_logs else None
         spec, _ = self.spec_of(job)

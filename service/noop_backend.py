@@ -79,6 +79,9 @@ class NoopJobs:
     def logs(self, submission_id: str) -> str | None:
         return f"noop job {submission_id}\n" if (self.dir / submission_id).exists() else None
 
+    def dump_stacks(self, submission_id: str, *, dump_id: str) -> str:
+        return "the noop backend runs no code: there are no stacks to dump"
+
     def list_submission_ids(self, prefix: str = SUBMISSION_PREFIX) -> list[str]:
         return sorted(p.name for p in self.dir.iterdir() if p.name.startswith(prefix) and not p.name.endswith(STOPPED))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,32 @@ class RayJobs:
         if r.status_code != 200:
             raise InfraError(f"Ray could not return logs of {submission_id}: {r.status_code}")
         return str(r.json().get("logs", ""))
+
+    def dump_stacks(self, submission_id: str, *, dump_id: str) -> str:
+        """Submit `python -m workers.stacks` as a Ray Job of its own: the control plane holds no Ray driver, and the
+        stacks must be asked for on the train workers' nodes. It runs in the attempt's own runtime_env (as Ray
+        recorded it: its working_dir already uploaded), so `workers` imports there as it does in the attempt, and on
+        no CPU, so a cluster the job fills still runs it."""
+        r = self._request("GET", f"/api/jobs/{submission_id}")
+        if r.status_code == 404:
+            return "Ray no longer knows the attempt: no stacks to dump"
+        if r.status_code != 200:
+            raise InfraError(f"Ray Jobs API answered {r.status_code} for {submission_id}: {r.text[:500]}")
+        body = r.json()
+        ray_job_id, job_id = body.get("job_id"), (body.get("metadata") or {}).get("shunter_job_id")
+        if not ray_job_id or not job_id:
+            return "the attempt's Ray driver has not started: no stacks to dump"
+        if self.info(dump_id) is not None:
+            return f"Ray Job {dump_id} dumps the stacks (asked for before)"
+        entrypoint = f"python -m workers.stacks --ray-job-id {shlex.quote(ray_job_id)} --job-id {shlex.quote(job_id)}"
+        metadata = {"shunter_job_id": job_id, "shunter_stacks_of": submission_id}
+        try:
+            self._client().submit_job(entrypoint=entrypoint, submission_id=dump_id, metadata=metadata,
+                                      runtime_env=body.get("runtime_env") or {}, entrypoint_num_cpus=0)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - Ray raises RuntimeError/ConnectionError/ValueError here
+            if self.info(dump_id) is None:
+                raise InfraError(f"Ray refused the stack dump {dump_id}: {exc}") from exc
+        return f"Ray Job {dump_id} dumps the stacks"
 
     def list_submission_ids(self, prefix: str = SUBMISSION_PREFIX) -> list[str]:
         r = self._request("GET", "/api/jobs/")

@@ -8,6 +8,8 @@ Possible outcomes, by state (the state changes themselves happen in `Finish` and
 - STARTING, not yet submitted: Submit; Finish(infra) once submission has failed for `submit_seconds`.
 - STARTING/RUNNING, Ray running: Wait; MarkRunning once every rank started (step 0) or on the first report;
   Stop(timeout | preempted | user_error).
+- RUNNING, reported, then quiet for its stall timeout (`service.stall`): DumpStacks, then Stop(stalled) once the
+  stacks had time to reach the log; a report meanwhile means it recovered.
 - any, Ray running but the driver's node is dead: Finish(cluster_restarted | node_lost), or Finish(cancelled).
 - any, Ray ended: Finish(reason), where the retry policy then decides between QUEUED and an end state.
 - CANCELLING: Stop until Ray ends it, then Finish(cancelled) (or the job's true end, if it finished first).
@@ -21,6 +23,15 @@ from datetime import datetime
 
 from service.backend import RayJobInfo
 from service.models import EndReason, JobState
+from service.stall import (
+    STACK_DUMP_SECONDS,
+    STACK_SETTLE_SECONDS,
+    StallFacts,
+    dump_message,
+    is_current,
+    quiet_seconds,
+    stop_message,
+)
 
 
 @dataclass(frozen=True)
@@ -34,6 +45,7 @@ class JobFacts:
     spec_error: str | None = None  # the stored spec no longer validates (a row written by an older release, ...)
     script: bool = False  # script mode: what starts on each rank is the user's script process
     num_workers: int = 1
+    stall: StallFacts | None = None  # watched for a hang: RUNNING, and a first real report came (service.stall)
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,8 @@ class AttemptFacts:
 class Patience:
     submit_seconds: float = 120.0  # how long Ray may refuse a submission ("no agent yet") before the attempt fails
     preemption_grace_seconds: float = 60.0  # how long a preempted job may take to checkpoint before it is stopped
+    stack_settle_seconds: float = STACK_SETTLE_SECONDS  # a stalled job's stacks, from dump to log
+    stack_dump_seconds: float = STACK_DUMP_SECONDS  # the most a stalled job waits for its stack dump
 
 
 # ---- actions ----------------------------------------------------------------------------------------------------
@@ -73,6 +87,15 @@ class MarkRunning:
 
 
 @dataclass(frozen=True)
+class DumpStacks:
+    """The attempt stalled: ask every rank for its Python stack (into the attempt's log) and note when, fenced on the
+    report it was quiet since (a report that lands meanwhile cancels it)."""
+
+    message: str
+    progress_at: datetime
+
+
+@dataclass(frozen=True)
 class Stop:
     """Ask Ray to stop the attempt; first record why on the attempt, when there is a reason of ours."""
 
@@ -90,7 +113,7 @@ class Finish:
     keep_logs: bool = False  # Ray ran the attempt: copy its log out before Ray forgets it
 
 
-Action = Wait | Submit | MarkSubmitted | MarkRunning | Stop | Finish
+Action = Wait | Submit | MarkSubmitted | MarkRunning | DumpStacks | Stop | Finish
 
 
 # ---- decisions --------------------------------------------------------------------------------------------------
@@ -162,7 +185,26 @@ def decide(
         return [*actions, Stop(EndReason.TIMEOUT, f"ran past timeout_seconds={job.timeout_seconds:g}")]
     if job.state is JobState.STARTING and job.step is not None:
         return [*actions, MarkRunning(running_message(job))]
+    if job.state is JobState.RUNNING and job.stall is not None:
+        stalled = stall_action(job, job.stall, now=now, patience=patience)
+        if stalled is not None:
+            return [*actions, stalled]
     return [*actions, Wait(f"Ray says {ray.status}")]
+
+
+def stall_action(job: JobFacts, facts: StallFacts, *, now: datetime, patience: Patience) -> Action | None:
+    """A quiet attempt's next step: its stacks asked for, then a wait for them to reach the log, then its stop.
+    None while it reports (or reported again since its stacks were asked for: it recovered)."""
+    if quiet_seconds(facts, now) < facts.stall_after:
+        return None
+    if facts.stalled_at is None or not is_current(facts):
+        return DumpStacks(dump_message(facts, step=job.step, now=now), progress_at=facts.progress_at)
+    asked = (now - facts.stalled_at).total_seconds()
+    ended = facts.dump_ended_at
+    done = ended is not None and (now - ended).total_seconds() >= patience.stack_settle_seconds
+    if done or asked >= patience.stack_dump_seconds:
+        return Stop(EndReason.STALLED, stop_message(facts, step=job.step, now=now, dump_done=done))
+    return Wait("stalled: waiting for every rank's stack to reach the attempt's log")
 
 
 def running_message(job: JobFacts) -> str:

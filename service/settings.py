@@ -18,6 +18,7 @@ from service.exclusion import Rules
 from service.fairshare import FairShare
 from service.quotas import Quotas, parse_queue_limit
 from service.spec import MAX_SPEC_DEPTH, QUEUE_NAME
+from service.stall import StallPolicy
 
 
 class Settings(BaseSettings):
@@ -76,6 +77,13 @@ class Settings(BaseSettings):
     # With Ray's GCS fault tolerance a restarted head keeps the cluster and its jobs, but not the processes that ran on
     # it. True: each attempt's Ray driver is placed off the head node, so running jobs outlive a head restart.
     ray_drivers_off_head: bool = False
+    # Hang detection (service/stall.py): an attempt that reported progress and then none for its stall timeout has
+    # every rank's Python stack dumped into its log and ends `stalled` (retried like other failures). Without the
+    # spec's stall_timeout_seconds the timeout is stall_factor x its longest recent interval between reports, never
+    # under stall_min_seconds; stall_detection=false turns that default off (a spec's own timeout still applies).
+    stall_detection: bool = True
+    stall_min_seconds: float = Field(600.0, gt=0)
+    stall_factor: float = Field(10.0, ge=1)
 
     dispatcher_id: str | None = Field(None, description="default: hostname:pid; `serve` uses a stable one")
     dispatcher_tick_seconds: float = Field(0.5, gt=0)
@@ -154,6 +162,9 @@ class Settings(BaseSettings):
 
     def fair_share_config(self) -> FairShare:
         return FairShare.parse(self.fair_share)
+
+    def stall_policy(self) -> StallPolicy:
+        return StallPolicy(detect=self.stall_detection, min_seconds=self.stall_min_seconds, factor=self.stall_factor)
 
     def resolved_dispatcher_id(self, *, stable: bool = False) -> str:
         if self.dispatcher_id:

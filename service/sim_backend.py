@@ -152,6 +152,9 @@ class SimJobs:
             run = self._runs.get(submission_id)
             return None if run is None else f"sim job {submission_id}: {run.status}\n"
 
+    def dump_stacks(self, submission_id: str, *, dump_id: str) -> str:
+        return "a simulated job has no processes: there are no stacks to dump"
+
     def list_submission_ids(self, prefix: str = SUBMISSION_PREFIX) -> list[str]:
         with self._lock:
             return sorted(s for s in self._runs if s.startswith(prefix))

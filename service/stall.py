@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 WINDOW = 20  # recent report intervals the derived timeout looks at
+DUMP_SAID = "shunter-stacks:"  # the stack dump job's summary line (workers.stacks), read back for the end message
 STACK_SETTLE_SECONDS = 3.0  # after the dump job ended: Ray's log monitor forwards worker output about once a second
 STACK_DUMP_SECONDS = 60.0  # the stop comes this long after the stacks were asked for, even if the dump never ended
 
@@ -46,6 +47,7 @@ class StallFacts:
     stalled_at: datetime | None = None  # when this stall's stacks were asked for (None, or before progress_at: none)
     dump_ended_at: datetime | None = None  # when the stack dump of this stall ended (None: still running)
     dump_said: str | None = None  # what the dump reported doing (its last log line), once it ended
+    dump_ran: bool = True  # False: no dump job ran (refused, or a backend without processes); nothing to wait on
 
 
 def longest_interval(times: Iterable[datetime]) -> float | None:
@@ -95,11 +97,11 @@ def dump_message(facts: StallFacts, *, step: int | None, now: datetime) -> str:
 
 
 def stop_message(facts: StallFacts, *, step: int | None, now: datetime, dump_done: bool) -> str:
-    said = f" ({facts.dump_said})" if facts.dump_said else ""
-    where = (
-        f"every rank's stack is in the attempt's log{said}"
-        if dump_done
-        else f"the stack dump had not ended {STACK_DUMP_SECONDS:g}s after it was asked for; the attempt's log holds "
-        "what it printed"
-    )
+    if not facts.dump_ran:
+        where = "no stack dump ran (the job's stack_dump event says why)"
+    elif dump_done:
+        where = "every rank's stack is in the attempt's log" + (f" ({facts.dump_said})" if facts.dump_said else "")
+    else:
+        where = (f"the stack dump had not ended {STACK_DUMP_SECONDS:g}s after it was asked for; the attempt's log "
+                 "holds what it printed")  # fmt: skip
     return f"no progress report for {quiet_seconds(facts, now):.0f}s since step {step}; {where}"

@@ -15,6 +15,7 @@ from service.backend import RayJobInfo
 from service.models import EndReason, JobState
 from service.reconcile import (
     AttemptFacts,
+    DumpStacks,
     Finish,
     JobFacts,
     MarkRunning,
@@ -26,6 +27,7 @@ from service.reconcile import (
     classify,
     decide,
 )
+from service.stall import StallFacts
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
 PATIENCE = Patience(submit_seconds=120, preemption_grace_seconds=60)
@@ -230,3 +232,89 @@ def test_without_a_node_table_nothing_is_presumed_dead() -> None:
     info = RayJobInfo("shunter-j1-1", "RUNNING", driver_node_id=HEAD)
     actions = decide(JobFacts(S.RUNNING, step=1), AttemptFacts(True, ago(9)), info, now=NOW, patience=PATIENCE)
     assert actions == [Wait("Ray says RUNNING")]
+
+
+# ---- hang detection (service.stall): a RUNNING attempt that reported, then went quiet ----------------------------
+def quiet(seconds: float, *, after: float = 30, asked: float | None = None, ended: float | None = None,
+          ran: bool = True, said: str | None = None) -> StallFacts:  # fmt: skip
+    """Stall facts of an attempt quiet for `seconds` (timeout `after`), its stacks asked for `asked` s ago and the
+    dump ended `ended` s ago."""
+    return StallFacts(progress_at=ago(seconds), stall_after=after, why="stall_timeout_seconds=30",
+                      stalled_at=None if asked is None else ago(asked),
+                      dump_ended_at=None if ended is None else ago(ended), dump_ran=ran, dump_said=said)  # fmt: skip
+
+
+DUMP = ("no progress report for 31s since step 3 (stall timeout 30s: stall_timeout_seconds=30); dumping every rank's "
+        "Python stack into the attempt's log")  # fmt: skip
+STALL_ROWS = [
+    # (name, job facts, Ray status, expected actions)
+    ("reporting: nothing to do", JobFacts(S.RUNNING, step=3, stall=quiet(29)), "RUNNING", [Wait("Ray says RUNNING")]),
+    ("quiet past its timeout: stacks asked for", JobFacts(S.RUNNING, step=3, stall=quiet(31)), "RUNNING",
+     [DumpStacks(DUMP, progress_at=ago(31))]),
+    ("stacks asked for, dump running: wait", JobFacts(S.RUNNING, step=3, stall=quiet(40, asked=9)), "RUNNING",
+     [Wait("stalled: waiting for every rank's stack to reach the attempt's log")]),
+    ("dump just ended: its output gets time to reach the log", JobFacts(S.RUNNING, step=3,
+     stall=quiet(40, asked=9, ended=1)), "RUNNING",
+     [Wait("stalled: waiting for every rank's stack to reach the attempt's log")]),
+    ("dump ended and settled: stop as stalled", JobFacts(S.RUNNING, step=3,
+     stall=quiet(40, asked=9, ended=3, said="asked 2 process(es)")), "RUNNING",
+     [Stop(R.STALLED, "no progress report for 40s since step 3; every rank's stack is in the attempt's log "
+                      "(asked 2 process(es))")]),
+    ("dump never ended: stopped all the same", JobFacts(S.RUNNING, step=3, stall=quiet(100, asked=60)), "RUNNING",
+     [Stop(R.STALLED, "no progress report for 100s since step 3; the stack dump had not ended 60s after it was "
+                      "asked for; the attempt's log holds what it printed")]),
+    ("no dump ran: stopped once settled", JobFacts(S.RUNNING, step=3, stall=quiet(40, asked=5, ended=5, ran=False)),
+     "RUNNING", [Stop(R.STALLED, "no progress report for 40s since step 3; no stack dump ran (the job's stack_dump "
+                                 "event says why)")]),
+    ("a report since the stacks were asked for: recovered", JobFacts(S.RUNNING, step=4,
+     stall=quiet(2, asked=12, ended=8)), "RUNNING", [Wait("Ray says RUNNING")]),
+    ("recovered, then quiet again: a stall of its own", JobFacts(S.RUNNING, step=3, stall=quiet(31, asked=50)),
+     "RUNNING", [DumpStacks(DUMP, progress_at=ago(31))]),
+    ("cancel wins over a stall", JobFacts(S.CANCELLING, step=3, stall=quiet(40, asked=9, ended=5)), "RUNNING",
+     [Stop()]),
+    ("timeout wins over a stall", JobFacts(S.RUNNING, step=3, timeout_seconds=5, stall=quiet(40, asked=9, ended=5)),
+     "RUNNING", [Stop(R.TIMEOUT, "ran past timeout_seconds=5")]),
+    ("a due preemption wins over a stall", JobFacts(S.RUNNING, step=3, preempt_requested_at=ago(61),
+     stall=quiet(40, asked=9, ended=5)), "RUNNING",
+     [Stop(R.PREEMPTED, "stopped as asked: to make room for another job, or to grow")]),
+    ("Ray ended it meanwhile: its end wins", JobFacts(S.RUNNING, step=3, stall=quiet(40, asked=9, ended=5)),
+     "FAILED", [Finish(R.INFRA, "FAILED", ray_status="FAILED", keep_logs=True)]),
+    ("stopped by someone else before our stop: infra", JobFacts(S.RUNNING, step=3, stall=quiet(40, asked=9, ended=5)), "STOPPED",
+     [Finish(R.INFRA, "STOPPED", ray_status="STOPPED", keep_logs=True)]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "job", "status", "expected"), STALL_ROWS, ids=[r[0] for r in STALL_ROWS])
+def test_stall_table(name: str, job: JobFacts, status: str, expected: list[object]) -> None:
+    assert decide(job, AttemptFacts(True, ago(999)), ray(status), now=NOW, patience=PATIENCE) == expected
+
+
+def test_a_recorded_stall_ends_the_attempt_as_stalled() -> None:
+    job = JobFacts(S.RUNNING, step=3, stall=quiet(40, asked=9, ended=5))
+    actions = decide(job, AttemptFacts(True, ago(999), R.STALLED), ray("STOPPED"), now=NOW, patience=PATIENCE)
+    assert actions == [Finish(R.STALLED, "STOPPED", ray_status="STOPPED", keep_logs=True)]
+
+
+@pytest.mark.parametrize(
+    ("state", "status", "timed_out", "preempt", "spec_error", "phase"),
+    list(itertools.product(STATES, STATUSES, [False, True], ["none", "asked", "due"], [None, "spec: bad"],
+                           ["none", "reporting", "quiet", "settled"])),
+)  # fmt: skip
+def test_stall_sweep(
+    state: JobState, status: str | None, timed_out: bool, preempt: str, spec_error: str | None, phase: str
+) -> None:
+    """Whatever the row: stacks are asked for and a stall stopped only on a RUNNING attempt Ray runs, with no cancel,
+    no broken spec, no due preemption and no timeout to act on first."""
+    stall = {"none": None, "reporting": quiet(5), "quiet": quiet(31), "settled": quiet(40, asked=9, ended=5)}[phase]
+    job = JobFacts(
+        state, step=3, timeout_seconds=0.5 if timed_out else None, spec_error=spec_error, stall=stall,
+        preempt_requested_at=None if preempt == "none" else ago(10), checkpointed_since_preempt=preempt == "due",
+    )  # fmt: skip
+    actions = decide(job, AttemptFacts(True, ago(999)), ray(status), now=NOW, patience=PATIENCE)
+    last = actions[-1]
+    stalled = isinstance(last, DumpStacks) or (isinstance(last, Stop) and last.record is R.STALLED)
+    free = (state is S.RUNNING and status in ("PENDING", "RUNNING") and not timed_out and preempt != "due"
+            and spec_error is None)  # fmt: skip
+    assert stalled == (free and phase in ("quiet", "settled")), actions
+    if stalled:
+        assert isinstance(last, DumpStacks) if phase == "quiet" else last.record is R.STALLED
