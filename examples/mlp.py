@@ -28,6 +28,12 @@ def build_model(dim: int = 16, hidden: int = 64) -> nn.Module:
     return nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
 
 
+def block_forever() -> None:
+    """A rank that stops making progress, as one in a hung collective does (stall tests: `hang_at_step`)."""
+    while True:
+        time.sleep(3600)
+
+
 def train_loop(config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
@@ -38,6 +44,7 @@ def train_loop(config: dict[str, Any]) -> None:
     step_sleep = float(config.get("step_sleep", 0.0))  # lets tests catch a job mid-run
     fail_at = config.get("fail_at_step")  # fault tests: raise at this step on rank 0, first run only
     crash_at = config.get("crash_at_step")  # fault tests: the rank-0 process dies at this step, first run only
+    hang_at = config.get("hang_at_step")  # stall tests: every rank blocks for ever once this many steps are done
     # Chaos tests: rank 0 appends "<attempt> <step>" to this file after each step, so a test can see every step
     # that ran (and ran twice), whatever the service recorded.
     trace_path = config.get("trace_path")
@@ -66,6 +73,8 @@ def train_loop(config: dict[str, Any]) -> None:
         if hasattr(loader, "sampler") and hasattr(loader.sampler, "set_epoch"):
             loader.sampler.set_epoch(epoch)
         for x, y in loader:
+            if hang_at is not None and step >= int(hang_at):
+                block_forever()
             loss = nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
             loss.backward()

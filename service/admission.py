@@ -199,6 +199,12 @@ def _start_attempt(
     world_size: int, message: str | None = None, excluded: list[str] | None = None, why: dict[str, str] | None = None,
 ) -> Job:  # fmt: skip
     number = job.attempt + 1
+    before = job.world_size  # the size of the attempt before (None: the first one)
+    if before is not None and before != world_size:
+        grew = "grows" if world_size > before else "shrinks"
+        record_event(session, job.id, kind=EventKind.RESIZED, reason="resized", attempt=number, actor=owner, at=now,
+                     message=f"{grew} from {before} to {world_size} workers (attempt {number} resumes from the "
+                             f"latest checkpoint at the new size)")  # fmt: skip
     for node, said in sorted((why or {}).items()):
         record_event(session, job.id, kind=EventKind.NODE, reason="node_excluded", attempt=number, actor=owner, at=now,
                      message=f"attempt {number} is kept off node {node}: it {said}")  # fmt: skip

@@ -11,6 +11,8 @@ import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from workers.stacks import register as register_stack_dump
+
 if TYPE_CHECKING:
     from service.spec import JobSpec
 
@@ -33,6 +35,7 @@ def run_loop(
     `preflight` is enabled), after rank 0 has reported the checkpoint it resumes from and, with `announce`, that every
     rank's loop has started (RUNNING); the loop is called as Ray Train would call it (with the config when it takes an
     argument). A loop stopped by a drain notice returns `workers.drain.drained`."""
+    register_stack_dump()  # SIGUSR1 prints this worker's stacks into the attempt's log (a stall: workers.stacks)
     from workers.drain import NodeDraining, drained
     from workers.progress import announce_started, report_restored
 

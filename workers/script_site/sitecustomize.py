@@ -10,6 +10,10 @@ the original init, once per instance. Nothing is imported here otherwise: a scri
 never loads it (nor torch, nor `workers`). Anything that goes wrong here is reported in one line on stderr and
 otherwise ignored: the hook must never break the script.
 
+With `SHUNTER_SCRIPT_CONTROL` set it also registers faulthandler for SIGUSR1 (two C modules of the standard library,
+no import of `workers`): shunter's stack dump of a stalled attempt (`workers.stacks`) signals the script process too,
+and its stacks go out on stderr, which its train worker forwards into the attempt's log.
+
 The user's own `sitecustomize` (a distribution's, a virtualenv's, or one of their PYTHONPATH), which this one hides,
 is chained to: the next `sitecustomize` found on `sys.path` after this directory is run as well, under the same name,
 before the hook is installed. It is kept as `CHAINED` here.
@@ -147,7 +151,20 @@ try:
 except Exception as exc:  # noqa: BLE001 - as Python's own site does for a failing sitecustomize
     _note("the next sitecustomize failed", exc)
 
+
+def _register_stack_dump() -> None:
+    """As `workers.stacks.register`: every thread's stack to stderr on SIGUSR1."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+
+
 if os.environ.get(ENV_SCRIPT_CONTROL):
+    try:
+        _register_stack_dump()
+    except Exception as exc:  # noqa: BLE001 - never break the script
+        _note("no stack dump on SIGUSR1", exc)
     try:
         _install()
     except Exception as exc:  # noqa: BLE001 - never break the script
