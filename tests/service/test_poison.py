@@ -252,6 +252,7 @@ def test_a_write_the_database_refuses_ends_that_job_after_patience_not_never(tmp
     recording that one attempt's end fails with a DataError on every tick. The job is given up on after
     `job_fault_patience_seconds`, as any job shunter cannot handle, and the others carry on."""
     from service.migrate import upgrade
+    from service.models import NodeFault
     from tests.service.conftest import fresh_pg_database
 
     with fresh_pg_database("shunter_oldschema") as url:
@@ -266,8 +267,11 @@ def test_a_write_the_database_refuses_ends_that_job_after_patience_not_never(tmp
                     "ALTER TABLE attempts ADD COLUMN gpus FLOAT NOT NULL DEFAULT 0",
                     "ALTER TABLE queues ADD COLUMN owner_quota JSON, ADD COLUMN team_quota JSON, "
                     "ADD COLUMN cohort VARCHAR(64), ADD COLUMN borrowing_limit JSON",
+                    "ALTER TABLE jobs ADD COLUMN stalled_at TIMESTAMP WITH TIME ZONE",
+                    "ALTER TABLE attempts ADD COLUMN preflight JSON, ADD COLUMN excluded_nodes JSON",
                 ):
                     conn.execute(text(statement))
+                NodeFault.__table__.create(conn)  # type: ignore[attr-defined]
             backend = Backend(tmp_path / "noop", run_seconds=60)
             conf = Settings(database_url="sqlite://", data_dir=tmp_path / "data", storage_uri=str(tmp_path / "c"),
                             job_fault_patience_seconds=1.0)  # fmt: skip
