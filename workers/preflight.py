@@ -113,8 +113,8 @@ class _Check:
                 self._collectives(report)
             else:
                 mine["compute_seconds"] = self._compute_probe()
-        except PreflightFailed as exc:  # this rank's own finding: its `failed` is already in the report
-            report["failed"] = report["failed"] or {**self._where(self.rank), "why": str(exc)}
+        except PreflightFailed as exc:  # this rank's own finding, as `_fail` (or `_hung`) recorded it
+            report["failed"] = self._failed or {**self._where(self.rank), "why": str(exc)}
         except Exception as exc:  # noqa: BLE001 - this rank could not run the check: it is the one at fault
             report["failed"] = {**self._where(self.rank), "why": f"the check raised {type(exc).__name__}: {exc}"}
         report["ok"] = report["failed"] is None
@@ -184,19 +184,17 @@ class _Check:
     # ---- the collectives ---------------------------------------------------------------------------------------
     def _collectives(self, report: dict[str, Any]) -> None:
         store = self._store()
+        self.facts = list(self._exchange(store, "facts", self.facts[self.rank] or {}))
+        report["rendezvous_seconds"] = round(time.monotonic() - self.started, 4)
+        device = self._device()
+        self._check_sum(store, device)
+        compute = self._compute_probe(device)
+        report["allreduce_seconds"], report["allreduce_gbps"] = self._allreduce_bandwidth(store, device)
+        p2p = self._p2p(store, device)
         try:
-            self.facts = list(self._exchange(store, "facts", self.facts[self.rank] or {}))
-            report["rendezvous_seconds"] = round(time.monotonic() - self.started, 4)
-            device = self._device()
-            self._check_sum(store, device)
-            compute = self._compute_probe(device)
-            seconds, gbps = self._allreduce_bandwidth(store, device)
-            report["allreduce_seconds"], report["allreduce_gbps"] = seconds, gbps
-            p2p = self._p2p(store, device)
             self._gather_timings(store, compute, p2p, report)
-        except PreflightFailed:
-            report["failed"] = self._failed
-            raise
+        finally:
+            self._leave(store)
 
     def _device(self) -> Any:
         import torch
@@ -327,6 +325,14 @@ class _Check:
                 best = min(best, time.perf_counter() - began)
         return round(best, 6)
 
+    def _leave(self, store: Any) -> None:
+        """Rank 0 hosts the store: it waits (up to the timeout) until every rank has read what it needs from it, so
+        a rank 0 that ends right after the check (a failing first step, a test process) fails no one's check."""
+        store.set(self._key("done", self.rank), "1")
+        if self.rank == 0:
+            with contextlib.suppress(Exception):  # a rank that never gets here has already failed its own check
+                store.wait([self._key("done", r) for r in range(self.world)], timedelta(seconds=self.timeout))
+
     def _gather_timings(self, store: Any, compute: float, p2p: float, report: dict[str, Any]) -> None:
         """Every rank's timings through the store; ranks slower than `slow_factor` x the others' median."""
         mine = {"compute_seconds": compute, "p2p_seconds": p2p, "rendezvous_seconds": report["rendezvous_seconds"]}
@@ -345,11 +351,12 @@ class _Check:
                     report["slow"].append({**self._where(r), "what": what.removesuffix("_seconds"), "factor": factor})
         gpu = self._device().type == "cuda"
         for slow in report["slow"]:
-            said = (f"rank {slow['rank']} on node {slow['node_id']} ({slow['address']}) is {slow['factor']:g}x slower "
-                    f"than the median of the others at {slow['what']} (slow_factor {self.slow_factor:g})")  # fmt: skip
+            why = (f"is {slow['factor']:g}x slower than the median of the others at {slow['what']} "
+                   f"(slow_factor {self.slow_factor:g})")  # fmt: skip
             if gpu:
-                raise self._fail(slow["rank"], said.split(") ", 1)[1])
-            report["warnings"].append(said + "; on CPU this only warns")
+                raise self._fail(slow["rank"], why)
+            where = f"rank {slow['rank']} on node {slow['node_id']} ({slow['address']})"
+            report["warnings"].append(f"{where} {why}; on CPU this only warns")
 
 
 def _mem_available_gb() -> float | None:
