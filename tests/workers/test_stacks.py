@@ -28,7 +28,7 @@ mine = [sys.executable, "-c", "import faulthandler, signal, time\\n"
         "faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)\\n"
         "def child_waits_here():\\n    time.sleep(600)\\nchild_waits_here()"]
 other = [sys.executable, "-c", "import time; time.sleep(600)"]
-kids = [subprocess.Popen(mine, env=env), subprocess.Popen(other, env=env),
+kids = [subprocess.Popen(mine, env=env, stderr=open(sys.argv[2], "w")), subprocess.Popen(other, env=env),
         subprocess.Popen(mine, env=dict(os.environ, SHUNTER_JOB_ID="someone-else"))]
 print(" ".join(str(k.pid) for k in kids), flush=True)
 def worker_waits_here():
@@ -40,10 +40,12 @@ worker_waits_here()
 @pytest.fixture
 def worker(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], list[int], Path]]:
     """A stand-in train worker (registered) with three children: the job's registered script process, the job's
-    process without the handler, and another job's registered process. All write their stderr to one file."""
+    process without the handler, and another job's registered process. The job's registered child writes its stderr to
+    a file of its own (`stderr.child`), so the two stacks printed at once cannot interleave; the rest share `stderr`."""
     err = tmp_path / "stderr"
     with open(err, "w") as sink:
-        proc = subprocess.Popen([sys.executable, "-c", WORKER, "j1"], cwd=REPO, stdout=subprocess.PIPE, stderr=sink,
+        proc = subprocess.Popen([sys.executable, "-c", WORKER, "j1", str(tmp_path / "stderr.child")], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=sink,
                                 text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))  # fmt: skip
     assert proc.stdout is not None
     kids = [int(pid) for pid in proc.stdout.readline().split()]
@@ -73,9 +75,10 @@ def test_the_worker_and_its_jobs_registered_child_print_their_stacks_and_live_on
     assert f"pid {proc.pid} (train worker): stack asked for" in lines
     assert f"pid {mine} (child of {proc.pid}): stack asked for" in lines
     assert f"pid {unregistered} (child of {proc.pid}): left alone, it does not catch SIGUSR1" in lines
-    text = wait_for(lambda: (t := err.read_text()).count("Current thread") >= 2 and t, timeout=10, what="stacks")
-    assert "worker_waits_here" in str(text) and "child_waits_here" in str(text)
-    assert 'File "<string>"' in str(text)
+    child_err = err.with_name("stderr.child")
+    for where, frame in ((err, "worker_waits_here"), (child_err, "child_waits_here")):
+        text = wait_for(lambda w=where: "Current thread" in (t := w.read_text()) and t, timeout=10, what="stacks")
+        assert frame in str(text) and 'File "<string>"' in str(text), (where.name, text)
     time.sleep(0.5)
     assert all(alive(pid) for pid in (proc.pid, mine, unregistered, others))  # nobody was killed by it
 
