@@ -13,11 +13,12 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import update
 from sqlmodel import Session, col, select
 
-from service.models import EndReason, NodeFault, utcnow
+from service.models import EndReason, Job, NodeFault, utcnow
 
 NODE_ID = re.compile(r"node_id='([0-9a-f]{16,64})'")
 LOST_NODES = re.compile(r"Lost nodes: ([0-9a-f, ]+)\.")
@@ -35,6 +36,7 @@ class Fault:
     reason: str  # an EndReason value
     at: datetime
     address: str | None = None
+    owner: str | None = None  # the job's owner: everyone's exclusion needs faults of `Rules.owners` distinct owners
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ class Rules:
     )
     jobs: int = 3  # this many distinct jobs' faults on one node within `cooldown` keep it out of everyone's admissions
     cooldown: timedelta = timedelta(minutes=30)
+    # ... and those jobs must belong to this many distinct owners: a job is arbitrary code and its end message is its
+    # own to write, so one user's jobs alone could otherwise name a healthy node and keep it from everyone.
+    owners: int = 1
 
 
 def named_nodes(reason: str, message: str) -> list[str]:
@@ -84,8 +89,8 @@ class Excluded:
 
 
 def for_everyone(faults: Iterable[Fault], rules: Rules, *, now: datetime) -> dict[str, Excluded]:
-    """Nodes on which `rules.jobs` distinct jobs failed within the cool-down: out of every admission until the
-    cool-down has passed since the latest of them (or an admin clears them)."""
+    """Nodes on which `rules.jobs` distinct jobs of `rules.owners` distinct owners failed within the cool-down: out
+    of every admission until the cool-down has passed since the latest of them (or an admin clears them)."""
     by_node: dict[str, list[Fault]] = {}
     for f in faults:
         if f.at > now - rules.cooldown and f.reason in AT_ONCE | REPEATED:
@@ -93,7 +98,8 @@ def for_everyone(faults: Iterable[Fault], rules: Rules, *, now: datetime) -> dic
     out = {}
     for node, seen in sorted(by_node.items()):
         jobs = tuple(sorted({f.job_id for f in seen}))
-        if len(jobs) >= rules.jobs:
+        owners = {f.owner for f in seen}
+        if len(jobs) >= rules.jobs and len(owners) >= rules.owners:
             reasons = sorted({f.reason for f in seen})
             address = next((f.address for f in seen if f.address), None)
             out[node] = Excluded(node, f"{len(jobs)} jobs failed there ({', '.join(reasons)})", jobs,
@@ -113,8 +119,13 @@ def record(
     return nodes
 
 
-def _faults(rows: Iterable[NodeFault]) -> list[Fault]:
-    return [Fault(r.node_id, r.job_id, r.reason, r.at, r.address) for r in rows]
+def _faults(rows: Iterable[tuple[NodeFault, str]]) -> list[Fault]:
+    return [Fault(r.node_id, r.job_id, r.reason, r.at, r.address, owner) for r, owner in rows]
+
+
+def _rows(session: Session, *where: Any) -> list[tuple[NodeFault, str]]:
+    query = select(NodeFault, Job.owner).join(Job, col(Job.id) == col(NodeFault.job_id)).where(*where)
+    return list(session.exec(query).all())
 
 
 def excluded(
@@ -123,11 +134,11 @@ def excluded(
     """(nodes out of everyone's admissions, and per job of `job_ids` the nodes out of its retries)."""
     now = now or utcnow()
     live = col(NodeFault.cleared_at).is_(None)
-    recent = session.exec(select(NodeFault).where(live, col(NodeFault.at) > now - rules.cooldown)).all()
+    recent = _rows(session, live, col(NodeFault.at) > now - rules.cooldown)
     everyone = for_everyone(_faults(recent), rules, now=now)
     per_job: dict[str, dict[str, str]] = {}
     if job_ids:
-        rows = session.exec(select(NodeFault).where(live, col(NodeFault.job_id).in_(job_ids))).all()
+        rows = _rows(session, live, col(NodeFault.job_id).in_(job_ids))
         mine: dict[str, list[Fault]] = {}
         for f in _faults(rows):
             mine.setdefault(f.job_id, []).append(f)

@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     node_exclusion_repeats: int = Field(2, ge=1)
     node_exclusion_jobs: int = Field(3, ge=1)
     node_exclusion_cooldown_seconds: float = Field(1800.0, ge=0)
+    # ... and those jobs must have this many distinct owners (None: 2 when api_tokens are set, else 1), so that no one
+    # user's jobs, whose end messages are their own code's to write, can keep a healthy node from everyone.
+    node_exclusion_owners: int | None = Field(None, ge=1)
     # With Ray's GCS fault tolerance a restarted head keeps the cluster and its jobs, but not the processes that ran on
     # it. True: each attempt's Ray driver is placed off the head node, so running jobs outlive a head restart.
     ray_drivers_off_head: bool = False
@@ -157,7 +160,8 @@ class Settings(BaseSettings):
         return Quotas.parse(self.quotas)
 
     def exclusion_rules(self) -> Rules:
-        return Rules(repeats=self.node_exclusion_repeats, jobs=self.node_exclusion_jobs,
+        owners = self.node_exclusion_owners or (2 if self.api_tokens else 1)
+        return Rules(repeats=self.node_exclusion_repeats, jobs=self.node_exclusion_jobs, owners=owners,
                      cooldown=timedelta(seconds=self.node_exclusion_cooldown_seconds))  # fmt: skip
 
     def fair_share_config(self) -> FairShare:

@@ -18,8 +18,8 @@ NOW = datetime(2026, 12, 2, 9, 0, tzinfo=timezone.utc)
 A, B, C = "a" * 56, "b" * 56, "c" * 56
 
 
-def fault(node: str, job: str, reason: str, minutes_ago: float = 1.0) -> Fault:
-    return Fault(node, job, reason, NOW - timedelta(minutes=minutes_ago))
+def fault(node: str, job: str, reason: str, minutes_ago: float = 1.0, owner: str | None = None) -> Fault:
+    return Fault(node, job, reason, NOW - timedelta(minutes=minutes_ago), owner=owner)
 
 
 @pytest.mark.parametrize(
@@ -67,6 +67,12 @@ def test_for_job(faults: list[Fault], kept: dict[str, str]) -> None:
          Rules(jobs=3, cooldown=timedelta(minutes=60)), {A: ("j0", "j1", "j2")}),
         ([fault(B, f"j{i}", "node_lost") for i in range(3)], Rules(jobs=3), {}),
         ([fault(A, "j1", "preflight_failed")], Rules(jobs=1), {A: ("j1",)}),
+        # One owner's jobs alone never keep a node from everyone when two owners are needed (a job writes its own end)
+        ([fault(A, f"j{i}", "preflight_failed", owner="mallory") for i in range(5)], Rules(jobs=3, owners=2), {}),
+        ([fault(A, f"j{i}", "preflight_failed", owner=o) for i, o in enumerate(["m", "m", "alice"])],
+         Rules(jobs=3, owners=2), {A: ("j0", "j1", "j2")}),
+        ([fault(A, f"j{i}", "preflight_failed", owner=o) for i, o in enumerate(["m", "alice"])],
+         Rules(jobs=3, owners=2), {}),  # two owners but not three jobs
     ],
 )  # fmt: skip
 def test_for_everyone(faults: list[Fault], rules: Rules, kept: dict[str, tuple[str, ...]]) -> None:
@@ -173,3 +179,29 @@ def test_several_jobs_failing_on_a_node_keep_it_out_of_everyones_admissions_unti
         assert exclusion.clear(session, A, actor="admin") == 2
         session.commit()
     assert sorted(j.id for j in _admit(db, settings, [(A, 3)], NOW + timedelta(seconds=2))[0]) == ["k0", "k1"]
+
+
+def test_one_owners_jobs_alone_cannot_keep_a_node_from_everyone_when_tokens_are_on(db: Engine) -> None:
+    from service import exclusion
+    from service.models import Job
+    from service.settings import Settings
+
+    tokens = {"t-m": {"owner": "mallory"}, "t-a": {"owner": "alice"}}
+    settings = Settings(api_tokens=tokens)
+    assert settings.exclusion_rules().owners == 2 and Settings().exclusion_rules().owners == 1
+    with Session(db) as session:
+        for i, owner in enumerate(["mallory"] * 4 + ["alice"]):
+            session.add(Job(id=f"m{i}", name="m", owner=owner, spec={"entrypoint": {"callable": "a:b"}},
+                            created_at=NOW))  # fmt: skip
+        session.commit()
+    assert len(_admit(db, settings, [(A, 5)], NOW)[0]) == 5
+    for job_id in ("m0", "m1", "m2", "m3"):  # mallory's jobs all claim A failed them
+        _fail_attempt(db, job_id, f"rank 0 on node_id='{A}' (10.0.0.2): sent 1002")
+    later = NOW + timedelta(seconds=1)
+    with Session(db) as session:
+        everyone, per_job = exclusion.excluded(session, ["m0"], settings.exclusion_rules(), now=later)
+    assert everyone == {} and per_job == {"m0": {A: "failed the pre-flight check"}}  # only mallory's own retries
+    _fail_attempt(db, "m4", f"rank 0 on node_id='{A}' (10.0.0.2): sent 1002")  # a second owner's job fails there too
+    with Session(db) as session:
+        everyone, _ = exclusion.excluded(session, [], settings.exclusion_rules(), now=later)
+    assert list(everyone) == [A] and everyone[A].jobs == ("m0", "m1", "m2", "m3", "m4")
