@@ -17,6 +17,20 @@ class Position(BaseModel):
     overall: int = Field(description="1 = next to be admitted overall")
 
 
+class DependencyPublic(BaseModel):
+    """One `depends_on` entry of a job, and where it stands (service.dependencies)."""
+
+    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+
+    job: str
+    on: str = Field(description="succeeded | ended")
+    as_: str | None = Field(None, alias="as")
+    status: str = Field(description="pending | met | missed")
+    state: str | None = Field(None, description="the dependency's state now")
+    settled_at: datetime | None = None
+    checkpoint: str | None = Field(None, description="its latest complete checkpoint when it met the condition")
+
+
 class JobPublic(_Out):
     id: str
     name: str
@@ -55,6 +69,10 @@ class JobPublic(_Out):
     # What the user should know that did not stop the job, e.g. a strategy asked for that the train loop never applied.
     warnings: list[str] = []
     spec: dict[str, Any]
+    waiting_on: int = Field(0, description="dependencies not met yet: the job is not admitted while this is above 0")
+    dependencies: list[DependencyPublic] | None = Field(
+        None, description="GET /v1/jobs/{id} and submission: its depends_on entries and their status"
+    )
 
     @field_validator("warnings", mode="before")
     @classmethod

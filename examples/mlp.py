@@ -66,6 +66,15 @@ def train_loop(config: dict[str, Any]) -> None:
         optimizer.load_state_dict(state["optimizer"])
         step = int(state["step"])
         print(f"resumed from step {step}", flush=True)
+    init_step = None
+    if checkpoint is None and config.get("init_from"):
+        # Fine-tuning: start from another run's weights (e.g. "${deps.pre.checkpoint}", filled in by shunter), with
+        # a fresh optimizer and step count.
+        with ray.train.Checkpoint(path=str(config["init_from"])).as_directory() as directory:
+            state = torch.load(os.path.join(directory, "state.pt"), weights_only=False)
+        (model.module if hasattr(model, "module") else model).load_state_dict(state["model"])
+        init_step = int(state["step"])
+        print(f"initialised from {config['init_from']} (its step {init_step})", flush=True)
 
     ctx = ray.train.get_context()
     epoch, loss = 0, None
@@ -92,6 +101,8 @@ def train_loop(config: dict[str, Any]) -> None:
                 with open(trace_path, "a") as trace:
                     trace.write(f"{os.environ.get('SHUNTER_ATTEMPT', '?')} {step}\n")
             metrics = {"step": step, "loss": float(loss.item()), "epoch": epoch, "world_size": ctx.get_world_size()}
+            if init_step is not None:
+                metrics["init_from_step"] = init_step
             if step % every == 0 or step == total_steps:
                 with tempfile.TemporaryDirectory() as tmp:
                     if ctx.get_world_rank() == 0:

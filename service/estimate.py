@@ -135,7 +135,8 @@ def _spec(job: Job) -> JobSpec | None:
 
 def _compute(session: Session, settings: Settings, now: datetime) -> dict[str, Standing]:
     fair = settings.fair_share_config()
-    queued = session.exec(select(Job).where(Job.state == JobState.QUEUED)).all()
+    # A job waiting on its dependencies (service.dependencies) has no place in admission order yet.
+    queued = session.exec(select(Job).where(Job.state == JobState.QUEUED, Job.waiting_on == 0)).all()
     specs = {job.id: _spec(job) for job in queued}
     candidates = [candidate(j, s) for j in queued if (s := specs[j.id]) is not None]
     ratio = run_ratios(session, now)

@@ -10,7 +10,7 @@ from datetime import datetime
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from service import auth, resources, tenancy
+from service import auth, dependencies, resources, tenancy
 from service.errors import Conflict, InvalidSpec, NotFound, StaleWrite
 from service.models import Attempt, Checkpoint, ClusterSnapshot, EventKind, Job, JobEvent, JobState, Metric
 from service.settings import Settings
@@ -142,6 +142,7 @@ def submit(
             ).one()
             return _replay(existing, digest, idempotency_key)
         raise
+    dependencies.record(session, job, spec, owner=caller.owner, admin=caller.admin, now=job.created_at)
     return job, True
 
 
@@ -219,11 +220,13 @@ def retry(session: Session, job_id: str, *, caller: Caller) -> Job:
     if state not in (JobState.FAILED, JobState.CANCELLED):
         raise Conflict(f"job {job_id} is {state.value}; only FAILED or CANCELLED jobs can be retried")
     auth.check_submit(caller, queue=job.queue, priority=job.priority)
+    waiting = dependencies.reopen(session, job)  # its unmet dependencies, looked at again (409 if one still misses)
     return transition(
         session,
         job,
         to=JobState.QUEUED,
         reason="retry_requested",
+        message=waiting,
         actor=caller.owner,
         values={"end_reason": None, "last_error": None, "not_before": None},
     )

@@ -38,14 +38,14 @@ def lock_admission(session: Session) -> None:
 
 
 def queued(session: Session, *, now: datetime, limit: int = 500) -> list[Job]:
-    """Queued jobs in admission order (priority, then FIFO), past any retry backoff.
+    """Queued jobs in admission order (priority, then FIFO), past any retry backoff, waiting on no dependency.
 
     On PostgreSQL the rows are locked (`FOR UPDATE SKIP LOCKED`): a cancel in flight keeps its row, and this
     dispatcher skips it instead of waiting on it.
     """
     query = (
         select(Job)
-        .where(Job.state == JobState.QUEUED)
+        .where(Job.state == JobState.QUEUED, Job.waiting_on == 0)
         .where(or_(col(Job.not_before).is_(None), col(Job.not_before) <= now))
         .order_by(col(Job.priority).desc(), col(Job.created_at), col(Job.id))
         .limit(limit)
@@ -57,7 +57,11 @@ def queued(session: Session, *, now: datetime, limit: int = 500) -> list[Job]:
 def queued_heads(session: Session, *, now: datetime, limit: int = 500) -> list[Job]:
     """The first queued jobs of every owner (priority, then FIFO), past any retry backoff: what fair share orders.
     Each owner gives `limit / owners` (at least 4), so one owner's thousand jobs never hide another's first."""
-    ready = (Job.state == JobState.QUEUED, or_(col(Job.not_before).is_(None), col(Job.not_before) <= now))
+    ready = (
+        Job.state == JobState.QUEUED,
+        Job.waiting_on == 0,  # a job waiting on its dependencies is no head: it must not hold the owner's places
+        or_(col(Job.not_before).is_(None), col(Job.not_before) <= now),
+    )
     owners = session.exec(select(Job.owner).where(*ready).group_by(col(Job.owner))).all()
     if len(owners) <= 1:
         return queued(session, now=now, limit=limit)

@@ -58,6 +58,7 @@ class EndReason(str, Enum):
     CLUSTER_RESTARTED = "cluster_restarted"  # the Ray head restarted and lost its Jobs: not the job's fault
     PREFLIGHT_FAILED = "preflight_failed"  # a rank failed the check before training (workers.preflight): names it
     STALLED = "stalled"  # reported progress, then none for stall_timeout_seconds: every rank's stack was dumped
+    DEPENDENCY_FAILED = "dependency_failed"  # a job of its depends_on can no longer meet its condition (never retried)
     INFRA = "infra"  # Ray or shunter itself failed: submission refused, driver vanished
 
     def is_retryable(self) -> bool:
@@ -90,6 +91,7 @@ class EventKind(str, Enum):
     PREFLIGHT = "preflight"  # the worker group's check before training: its result, a slow rank's warning
     STALL = "stall"  # no progress for stall_timeout_seconds: every rank's stack dumped, then the attempt stopped
     NODE = "node"  # a node kept out of the job's next attempt (or of everyone's admissions), or let back in
+    DEPENDENCY = "dependency"  # a job of its depends_on met its condition (service.dependencies)
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -166,6 +168,8 @@ class Job(SQLModel, table=True):
     world_size: int | None = None  # workers of the current attempt, as admitted (an elastic job: within [min, max])
     preempt_requested_at: datetime | None = Field(default=None, sa_column=_tz())
     stalled_at: datetime | None = Field(default=None, sa_column=_tz())  # the current attempt's stacks were asked for
+    # Dependencies (depends_on) not met yet: admission skips a job while this is above 0 (service.dependencies).
+    waiting_on: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
 
     # Progress, written by the job's own Train callback (fenced by attempt), read by status without asking Ray.
     step: int | None = None
@@ -311,3 +315,25 @@ class ProgressKey(SQLModel, table=True):
     secret: str = Field(sa_column=Column(Text, nullable=False))
     created_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime(), nullable=False))
     active_from: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime(), nullable=False))
+
+
+class JobDependency(SQLModel, table=True):
+    """One `depends_on` entry of a job: `job_id` waits for `depends_on` to meet `condition`. Written at submission;
+    `outcome` (met / missed) is set in the transaction that ends the dependency (`service.dependencies.settle`)."""
+
+    __tablename__ = "job_dependencies"
+    __table_args__ = (
+        Index("ux_job_dependencies_edge", "job_id", "depends_on", unique=True),
+        Index("ix_job_dependencies_on", "depends_on", "outcome"),  # the end hook: a job's unsettled dependents
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    job_id: str = Field(foreign_key="jobs.id", max_length=32)
+    depends_on: str = Field(foreign_key="jobs.id", max_length=32)
+    position: int = 0  # its index in the spec's depends_on
+    condition: str = Field(max_length=16)  # a dependency_spec.Condition value
+    alias: str | None = Field(default=None, max_length=64)  # its `as`
+    outcome: str | None = Field(default=None, max_length=16)  # None: pending; "met" or "missed"
+    settled_at: datetime | None = Field(default=None, sa_column=_tz())
+    # The dependency's latest complete checkpoint when it met the condition (what `${deps.<as>.checkpoint}` gives).
+    checkpoint: str | None = Field(default=None, sa_column=Column(Text))

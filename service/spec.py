@@ -24,6 +24,13 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from service import resources
+from service.dependency_spec import (
+    MAX_DEPENDENCIES,
+    Dependency,
+    OnFailure,
+    dependency_problem,
+    reference_problem,
+)
 from service.entrypoint import Entrypoint
 from service.numbers import StrictModel
 from service.strategy import StrategySpec, check_finite
@@ -293,6 +300,13 @@ class JobSpec(StrictModel):
         description="an attempt that reported progress and then none for this long is stalled (default: from its "
                     "step times)",
     )  # fmt: skip
+    depends_on: list[Dependency] = Field(
+        default_factory=list, max_length=MAX_DEPENDENCIES,
+        description="jobs that must succeed (or end) before this one starts (service.dependencies)",
+    )  # fmt: skip
+    on_dependency_failure: OnFailure = Field(
+        OnFailure.fail, description="fail: end FAILED (dependency_failed) when a dependency misses; cancel: CANCELLED"
+    )
 
     @field_validator("name")
     @classmethod
@@ -322,6 +336,12 @@ class JobSpec(StrictModel):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> JobSpec:
+        deps_problem = dependency_problem(self.depends_on)
+        if deps_problem:
+            raise field_error(("depends_on", *deps_problem[0]), deps_problem[1], None)
+        ref_problem = reference_problem(self.config, self.depends_on)
+        if ref_problem:
+            raise field_error(tuple(ref_problem[0].split(".", 1)), ref_problem[1], None)
         res = self.resources
         for size in range(res.min_workers, res.max_workers + 1):  # an elastic job may run at any size of its range
             self.strategy.check_against(use_gpu=res.use_gpu, num_workers=size)

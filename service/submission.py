@@ -17,7 +17,7 @@ from typing import Any
 
 from sqlmodel import Session, select
 
-from service import attempt_tokens, tenancy
+from service import attempt_tokens, dependencies, tenancy
 from service.errors import InvalidSpec
 from service.models import Attempt, Checkpoint, Job
 from service.settings import Settings
@@ -58,6 +58,7 @@ EXCLUDED_NODES_ENV = "SHUNTER_EXCLUDED_NODES"  # Ray node ids, comma-separated (
 
 def build(session: Session, job: Job, spec: JobSpec, settings: Settings) -> Submission:
     """The attempt's entrypoint, runtime_env (the spec's, plus what the driver needs) and dashboard metadata."""
+    check_hand_off(session, job, spec, settings)
     runtime_env = json.loads(json.dumps(spec.runtime_env))
     # Reserved names are refused at submission; a spec stored before that rule must not set them either.
     env_vars = {k: v for k, v in runtime_env.get("env_vars", {}).items() if not tenancy.is_reserved(k)}
@@ -91,6 +92,26 @@ def build(session: Session, job: Job, spec: JobSpec, settings: Settings) -> Subm
     runtime_env["env_vars"] = env_vars
     metadata = {"shunter_job_id": job.id, "shunter_attempt": str(job.attempt), "name": job.name}
     return Submission(ENTRYPOINT, runtime_env, metadata)
+
+
+def check_hand_off(session: Session, job: Job, spec: JobSpec, settings: Settings) -> None:
+    """Every `${deps.<as>...}` reference in the config can be filled in (the driver reads the filled-in config from
+    `driver_spec`); one that cannot names its field, and the job ends as a user error."""
+    _, missing = dependencies.resolved_config(session, job, spec, storage_of=lambda s: job_storage(s, settings))
+    if missing:
+        path, _, ref = missing[0].partition(": ")
+        raise InvalidSpec(f"{path}: {ref} has nothing to hand over: the dependency left no complete checkpoint",
+                          field=path)  # fmt: skip
+
+
+def driver_spec(session: Session, job: Job, settings: Settings) -> dict[str, Any]:
+    """The stored spec as the job's driver gets it: with its config's dependency references filled in."""
+    try:
+        spec = JobSpec.model_validate(job.spec)
+    except ValueError:
+        return dict(job.spec)  # the dispatcher ends such a job; the driver learns nothing from a filled-in copy
+    config, _ = dependencies.resolved_config(session, job, spec, storage_of=lambda s: job_storage(s, settings))
+    return dict(job.spec) if config is spec.config else {**job.spec, "config": config}
 
 
 def progress_url(settings: Settings) -> str:

@@ -18,7 +18,7 @@ from sqlmodel import Session
 
 from api.deps import RuntimeDep, SettingsDep
 from api.schemas import ERROR_RESPONSES
-from service import attempt_tokens, preflight, progress
+from service import attempt_tokens, preflight, progress, submission
 from service.errors import Conflict, Forbidden, NotFound, Unauthorized
 from service.models import ACTIVE_STATES, EndReason, Job, JobState
 
@@ -203,4 +203,4 @@ def spec(scope: Scope, rt: RuntimeDep) -> dict[str, Any]:
             raise Conflict(f"job {job_id} is no longer on attempt {attempt}")
         if job.state == JobState.CANCELLING:
             raise Conflict(f"job {job_id} is being cancelled: attempt {attempt} must not start")
-        return dict(job.spec)
+        return submission.driver_spec(session, job, rt.settings)  # `${deps.<as>...}` in its config filled in

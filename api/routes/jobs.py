@@ -37,6 +37,7 @@ from api.schemas import (
     Accepted,
     AttemptPublic,
     CheckpointPublic,
+    DependencyPublic,
     EventPublic,
     JobList,
     JobPublic,
@@ -45,7 +46,7 @@ from api.schemas import (
 )
 from api.sse import SSE_RESPONSE, event_stream, pause
 from api.streams import DB_UNAVAILABLE, is_database_outage, open_stream, state_of
-from service import estimate, jobs
+from service import dependencies, estimate, jobs
 from service.backend import submission_id
 from service.errors import InfraError, InvalidSpec, NotFound
 from service.host_files import HostFiles
@@ -71,6 +72,13 @@ def to_public(job: Job, session: Session) -> JobPublic:
     return JobPublic.model_validate(job).model_copy(
         update={"ray_submission_id": sub_id, "ray_dashboard_url": dashboard, "loss": loss}
     )
+
+
+def _with_dependencies(public: JobPublic, job: Job, session: Session) -> JobPublic:
+    if not job.spec.get("depends_on"):
+        return public
+    found = [DependencyPublic.model_validate(d) for d in dependencies.describe(session, job)]
+    return public.model_copy(update={"dependencies": found})
 
 
 def _encode_cursor(job: Job) -> str:
@@ -105,7 +113,7 @@ def submit_job(
     if not created:
         response.status_code = status.HTTP_200_OK
     response.headers["Location"] = f"/v1/jobs/{job.id}"
-    return to_public(job, session)
+    return _with_dependencies(to_public(job, session), job, session)
 
 
 @router.get("", response_model=JobList)
@@ -133,7 +141,7 @@ def list_jobs(
 def get_job(job_id: JobId, session: SessionDep, settings: SettingsDep, caller: CallerDep) -> JobPublic:
     """The job; a queued one also says where it stands (`position`, `estimated_start`; see service/estimate.py)."""
     job = jobs.get(session, job_id, caller=caller)
-    public = to_public(job, session)
+    public = _with_dependencies(to_public(job, session), job, session)
     if job.state == JobState.QUEUED:
         standing = estimate.estimates(session, settings, job_id=job.id).get(job.id)
         if standing is not None:

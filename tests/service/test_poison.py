@@ -252,7 +252,7 @@ def test_a_write_the_database_refuses_ends_that_job_after_patience_not_never(tmp
     recording that one attempt's end fails with a DataError on every tick. The job is given up on after
     `job_fault_patience_seconds`, as any job shunter cannot handle, and the others carry on."""
     from service.migrate import upgrade
-    from service.models import NodeFault
+    from service.models import JobDependency, NodeFault
     from tests.service.conftest import fresh_pg_database
 
     with fresh_pg_database("shunter_oldschema") as url:
@@ -269,9 +269,11 @@ def test_a_write_the_database_refuses_ends_that_job_after_patience_not_never(tmp
                     "ADD COLUMN cohort VARCHAR(64), ADD COLUMN borrowing_limit JSON",
                     "ALTER TABLE jobs ADD COLUMN stalled_at TIMESTAMP WITH TIME ZONE",
                     "ALTER TABLE attempts ADD COLUMN preflight JSON, ADD COLUMN excluded_nodes JSON",
+                    "ALTER TABLE jobs ADD COLUMN waiting_on INTEGER NOT NULL DEFAULT 0",
                 ):
                     conn.execute(text(statement))
                 NodeFault.__table__.create(conn)  # type: ignore[attr-defined]
+                JobDependency.__table__.create(conn)  # type: ignore[attr-defined]
             backend = Backend(tmp_path / "noop", run_seconds=60)
             conf = Settings(database_url="sqlite://", data_dir=tmp_path / "data", storage_uri=str(tmp_path / "c"),
                             job_fault_patience_seconds=1.0)  # fmt: skip

@@ -20,7 +20,7 @@ from sqlmodel import Session
 
 from service.db import session_scope
 from service.jobs import Caller, submit
-from service.models import Job
+from service.models import Job, JobState
 from service.spec import JobSpec
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -243,7 +243,26 @@ def spec_bodies(draw: st.DrawFn) -> dict[str, Any]:
     optional(draw, preflight, "timeout_seconds", st.integers(1, 600) | st.floats(1.0, 600.0))
     optional(draw, body, "preflight", st.just(preflight))
     optional(draw, body, "stall_timeout_seconds", st.integers(1, 7 * 86400) | st.floats(0.001, 7 * 86400))
+    dependencies(draw, body)
     return body
+
+
+def dependencies(draw: st.DrawFn, body: dict[str, Any]) -> None:
+    """depends_on entries (some named, each condition), and config references to the named ones."""
+    if draw(st.booleans()):
+        jobs = draw(st.lists(st.from_regex(r"j[0-9a-f]{1,6}", fullmatch=True), max_size=3, unique=True))
+        entries: list[dict[str, Any]] = []
+        for i, job in enumerate(jobs):
+            entry: dict[str, Any] = {"job": job}
+            optional(draw, entry, "on", st.sampled_from(["succeeded", "ended"]))
+            optional(draw, entry, "as", st.sampled_from([f"d{i}", f"_{i}x"]) | st.none())
+            entries.append(entry)
+        body["depends_on"] = entries
+        named = [e["as"] for e in entries if e.get("as")]
+        if named and draw(st.booleans()):
+            ref = f"${{deps.{draw(st.sampled_from(named))}.{draw(st.sampled_from(['checkpoint', 'model']))}}}"
+            body["config"] = {**body.get("config", {}), "init_from": draw(st.sampled_from([ref, f"{ref}/w.pt"]))}
+    optional(draw, body, "on_dependency_failure", st.sampled_from(["fail", "cancel"]))
 
 
 def accepted(body: dict[str, Any]) -> JobSpec:
@@ -301,6 +320,10 @@ def test_generator_yields_only_valid_specs() -> None:
 def test_stored_spec_round_trips_through_the_database(db: Engine, body: dict[str, Any]) -> None:
     spec = accepted(body)
     with session_scope(db) as session:
+        for dep in spec.depends_on:  # the jobs it depends on exist, and run: the new one waits for them
+            if session.get(Job, dep.job) is None:
+                session.add(Job(id=dep.job, name="dep", owner="roundtrip", state=JobState.RUNNING, spec={}))
+        session.flush()
         job, created = submit(session, spec, caller=Caller(owner="roundtrip"))
         job_id = job.id
     assert created
