@@ -22,6 +22,7 @@ from service.models import ACTIVE_STATES, Attempt, EndReason, EventKind, Job, Jo
 from service.settings import Settings
 from service.spec import JobSpec
 from service.state import record_event, transition
+from service.sweep_admission import held_back
 
 SpecOf = Callable[[Job], "tuple[JobSpec | None, str | None]"]
 
@@ -49,7 +50,8 @@ def admit(
         waiting: list[tuple[Job, JobSpec]] = []
         fair = settings.fair_share_config()
         heads = leases.queued_heads if fair.enabled else leases.queued
-        for job in heads(session, now=now, limit=settings.admit_batch):
+        # Sweep members over their sweep's max_parallel are left out of the read (they hold up nobody behind them).
+        for job in heads(session, now=now, limit=settings.admit_batch, where=held_back(session, now=now)):
             spec, error = spec_of(job)
             if spec is None:
                 values = {"end_reason": EndReason.USER_ERROR, "last_error": error}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from datetime import datetime, timedelta
 
-from sqlalchemy import or_, text, update
+from sqlalchemy import ColumnElement, or_, text, update
 from sqlmodel import Session, col, select
 
 from service.models import ACTIVE_STATES, EventKind, Job, JobState
@@ -37,11 +37,13 @@ def lock_admission(session: Session) -> None:
         session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADMISSION_LOCK_KEY})
 
 
-def queued(session: Session, *, now: datetime, limit: int = 500) -> list[Job]:
+def queued(
+    session: Session, *, now: datetime, limit: int = 500, where: ColumnElement[bool] | None = None
+) -> list[Job]:
     """Queued jobs in admission order (priority, then FIFO), past any retry backoff, waiting on no dependency.
 
     On PostgreSQL the rows are locked (`FOR UPDATE SKIP LOCKED`): a cancel in flight keeps its row, and this
-    dispatcher skips it instead of waiting on it.
+    dispatcher skips it instead of waiting on it. `where`: a further condition (sweep members held back).
     """
     query = (
         select(Job)
@@ -51,10 +53,14 @@ def queued(session: Session, *, now: datetime, limit: int = 500) -> list[Job]:
         .limit(limit)
         .with_for_update(skip_locked=True)
     )
+    if where is not None:
+        query = query.where(where)
     return list(session.exec(query).all())
 
 
-def queued_heads(session: Session, *, now: datetime, limit: int = 500) -> list[Job]:
+def queued_heads(
+    session: Session, *, now: datetime, limit: int = 500, where: ColumnElement[bool] | None = None
+) -> list[Job]:
     """The first queued jobs of every owner (priority, then FIFO), past any retry backoff: what fair share orders.
     Each owner gives `limit / owners` (at least 4), so one owner's thousand jobs never hide another's first."""
     ready = (
@@ -62,9 +68,11 @@ def queued_heads(session: Session, *, now: datetime, limit: int = 500) -> list[J
         Job.waiting_on == 0,  # a job waiting on its dependencies is no head: it must not hold the owner's places
         or_(col(Job.not_before).is_(None), col(Job.not_before) <= now),
     )
+    if where is not None:
+        ready = (*ready, where)
     owners = session.exec(select(Job.owner).where(*ready).group_by(col(Job.owner))).all()
     if len(owners) <= 1:
-        return queued(session, now=now, limit=limit)
+        return queued(session, now=now, limit=limit, where=where)
     each = max(4, limit // len(owners))
     out: list[Job] = []
     for owner in owners:

@@ -133,6 +133,7 @@ class Job(SQLModel, table=True):
         Index("ix_jobs_owner_created_id", "owner", "created_at", "id"),
         Index("ix_jobs_lease", "state", "lease_expires_at"),
         Index("ix_jobs_finished", "finished_at"),  # usage: jobs ended in a window
+        Index("ix_jobs_sweep", "sweep_id", "sweep_index"),  # a sweep's members, in index order
         Index("ux_jobs_idempotency", "owner", "idempotency_key", unique=True),
     )
 
@@ -178,6 +179,9 @@ class Job(SQLModel, table=True):
     progress_at: datetime | None = Field(default=None, sa_column=_tz())
     # Things the user should know that did not stop the job (e.g. a strategy that was asked for and never applied).
     warnings: list[str] | None = Field(default=None, sa_column=Column(JSON))
+    # The sweep (service.sweeps) this job is a member of, and its index there; None for a job submitted alone.
+    sweep_id: str | None = Field(default=None, max_length=32)
+    sweep_index: int | None = None
 
 
 class Attempt(SQLModel, table=True):
@@ -272,6 +276,35 @@ class NodeFault(SQLModel, table=True):
     at: datetime = Field(default_factory=utcnow, sa_column=_tz())
     cleared_at: datetime | None = Field(default=None, sa_column=_tz())
     cleared_by: str | None = Field(default=None, max_length=128)
+
+
+def new_sweep_id() -> str:
+    return "s" + uuid.uuid4().hex[:15]
+
+
+class Sweep(SQLModel, table=True):
+    """One `POST /v1/sweeps` (service.sweeps); its members are ordinary jobs with `sweep_id` set."""
+
+    __tablename__ = "sweeps"
+    __table_args__ = (
+        Index("ix_sweeps_created_id", "created_at", "id"),  # listings: ORDER BY created_at DESC, id DESC
+        Index("ix_sweeps_owner_created_id", "owner", "created_at", "id"),
+        Index("ux_sweeps_idempotency", "owner", "idempotency_key", unique=True),
+    )
+
+    id: str = Field(default_factory=new_sweep_id, primary_key=True, max_length=32)
+    name: str = Field(max_length=128)
+    owner: str = Field(default="anonymous", max_length=128)
+    team: str | None = Field(default=None, max_length=128)
+    request: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))  # the SweepRequest, as sent
+    values: list[dict[str, Any]] = Field(sa_column=Column(JSON, nullable=False))  # each member's values, by index
+    max_parallel: int | None = None
+    metric_name: str | None = Field(default=None, max_length=128)
+    metric_mode: str | None = Field(default=None, max_length=8)  # min | max
+    idempotency_key: str | None = Field(default=None, max_length=255)
+    request_hash: str | None = Field(default=None, max_length=64)
+    created_at: datetime = Field(default_factory=utcnow, sa_column=_tz())
+    cancelled_at: datetime | None = Field(default=None, sa_column=_tz())
 
 
 class ClusterSnapshot(SQLModel, table=True):
