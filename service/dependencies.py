@@ -73,11 +73,13 @@ def record(session: Session, job: Job, spec: JobSpec, *, owner: str, admin: bool
     for a non-admin (403), and dependencies that already missed (422)."""
     if not spec.depends_on:
         return
+    # Locked, in id order (two submissions naming the same jobs never wait on each other in a circle): a dependency
+    # ending meanwhile either sees this job's edge and settles it, or is seen ended here.
+    rows = {j.id: j for j in _locked_all(session, [d.job for d in spec.depends_on])}
     pending: list[tuple[str, Condition]] = []
     for i, dep in enumerate(spec.depends_on):
         field = f"depends_on[{i}].job"
-        # Locked: a dependency ending meanwhile either sees this edge (and settles it) or is seen ended here.
-        row = _locked(session, dep.job)
+        row = rows.get(dep.job)
         if row is None:
             raise InvalidSpec(f"{field}: no job {dep.job!r}", field=field)
         if not admin and row.owner != owner:
@@ -220,6 +222,11 @@ def _locked(session: Session, job_id: str) -> Job | None:
     """The job row as it is now in this transaction, locked on PostgreSQL (SQLite's write transaction locks all)."""
     query = select(Job).where(Job.id == job_id).with_for_update().execution_options(populate_existing=True)
     return session.exec(query).first()
+
+
+def _locked_all(session: Session, job_ids: list[str]) -> list[Job]:
+    query = select(Job).where(col(Job.id).in_(sorted(job_ids))).order_by(col(Job.id)).with_for_update()
+    return list(session.exec(query.execution_options(populate_existing=True)).all())
 
 
 def _set_edge(session: Session, edge_id: int | None, got: str | None, *, now: datetime, checkpoint: str | None) -> None:

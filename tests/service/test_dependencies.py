@@ -355,3 +355,39 @@ def test_the_api_refuses_bad_dependencies_and_shows_them(db: Engine, tmp_path: P
                                      "state": "QUEUED", "settled_at": None, "checkpoint": None}]  # fmt: skip
     assert body["spec"]["depends_on"] == [{"job": pre, "on": "succeeded", "as": "pre"}]
     assert body["spec"]["config"] == {"init_from": "${deps.pre.checkpoint}"}  # stored as written
+
+
+def test_a_dependency_ending_while_a_dependent_is_submitted_is_never_missed(db: Engine) -> None:
+    """The submission locks the dependency's row: it waits for the transaction ending the dependency, then sees it
+    ended (met at once). Without the lock it would store a pending edge the end had already passed: a job waiting
+    for ever."""
+    import threading
+
+    from sqlalchemy import text
+
+    from service.db import session_scope
+    from tests.conftest import wait_for
+
+    put(db, "a")
+    made: list[str] = []
+    with session_scope(db) as ending:
+        job = ending.get(Job, "a")
+        assert job is not None
+        transition(ending, job, to=S.SUCCEEDED, reason="succeeded", values={"end_reason": EndReason.SUCCEEDED})
+        ending.flush()
+
+        def submit_dependent() -> None:
+            with session_scope(db) as session:
+                new, _ = jobs.submit(session, JobSpec.model_validate({**BASE, "depends_on": [{"job": "a"}]}),
+                                     caller=Caller())  # fmt: skip
+                made.append(new.id)
+
+        thread = threading.Thread(target=submit_dependent)
+        thread.start()
+        if db.dialect.name == "postgresql":  # it is blocked on the row lock before the end commits
+            with db.connect() as conn:
+                wait_for(lambda: conn.execute(text("SELECT count(*) FROM pg_locks WHERE NOT granted")).scalar(),
+                         timeout=20, what="the submission to wait on the dependency's row")  # fmt: skip
+    thread.join(timeout=30)
+    assert made, "the submission did not finish"
+    assert (row(db, made[0]).waiting_on, row(db, made[0]).state_reason) == (0, dependencies.READY_REASON)
