@@ -11,7 +11,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DataError, IntegrityError
 from sqlmodel import Session, create_engine
 
-from service import models  # noqa: F401  (registers the tables on SQLModel.metadata)
+from service import models, notify_models  # noqa: F401  (registers the tables on SQLModel.metadata)
 
 
 def make_engine(url: str, **kwargs: Any) -> Engine:

@@ -10,7 +10,7 @@ from datetime import datetime
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from service import auth, dependencies, resources, tenancy
+from service import auth, dependencies, notify, resources, tenancy
 from service.errors import Conflict, InvalidSpec, NotFound, StaleWrite
 from service.models import Attempt, Checkpoint, ClusterSnapshot, EventKind, Job, JobEvent, JobState, Metric
 from service.settings import Settings
@@ -100,6 +100,7 @@ def submit(
         message = f"nested deeper than {settings.max_spec_depth} levels, this service's max_spec_depth (at {where})"
         raise InvalidSpec(f"{field}: {message}", field=field)
     tenancy.check_spec(spec, caller, settings)
+    notify.check_spec(spec, settings)
     digest = spec_hash(spec)
     if idempotency_key:
         existing = session.exec(
@@ -131,6 +132,9 @@ def submit(
     )
     session.add(job)
     record_event(session, job.id, kind=EventKind.STATE, to_state=JobState.QUEUED, reason="submitted", attempt=0)
+    notify.store_secrets(session, job, spec)
+    notify.enqueue(session, job, from_state=None, to_state=JobState.QUEUED, reason="submitted", message=None,
+                   at=job.created_at)  # fmt: skip
     try:
         session.flush()
     except IntegrityError:

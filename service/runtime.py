@@ -9,13 +9,14 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from service import migrate
+from service import migrate, notify
 from service.db import make_engine
 from service.dispatcher import Dispatcher
 from service.noop_backend import NoopJobs
 from service.ray_jobs import RayJobs
 from service.ray_local import LocalHead, ensure_local_head, stop_local_head
 from service.settings import Settings
+from service.webhooks import Sender
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +49,14 @@ class Runtime:
     local_head: LocalHead | None = None
     dispatcher: Dispatcher | None = None
     _thread: threading.Thread | None = None
+    _sender_thread: threading.Thread | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
     def open(cls, settings: Settings, *, manage_local_ray: bool = False) -> Runtime:
         engine = make_engine(settings.database_url)
         migrate.upgrade(engine)
+        notify.configure(engine, settings.webhooks)  # cluster-wide targets of the events this process writes
         head = None
         ray: Any
         if settings.backend.startswith("noop:"):
@@ -77,18 +80,29 @@ class Runtime:
         self.dispatcher = Dispatcher(engine=self.engine, settings=self.settings, ray=self.ray, owner=owner)
         self._thread = threading.Thread(target=self.dispatcher.run, args=(self._stop,), name="dispatcher", daemon=True)
         self._thread.start()
+        self._sender_thread = start_sender(self.engine, self.settings, self._stop)
         log.info("dispatcher %s started", owner)
         return self.dispatcher
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        for thread in (self._thread, self._sender_thread):
+            if thread is not None:
+                thread.join(timeout=30)
         self.ray.close()
         if self.local_head is not None and self.settings.stop_ray_on_exit:
             log.info("stopping the local Ray head")
             stop_local_head(self.settings.data_dir.resolve())
         self.engine.dispose()
+
+
+def start_sender(engine: Engine, settings: Settings, stop: threading.Event) -> threading.Thread:
+    """The webhook sender (service.webhooks) runs beside every dispatcher, in a thread of its own: a slow receiver
+    never slows admission."""
+    sender = Sender(engine=engine, settings=settings)
+    thread = threading.Thread(target=sender.run, args=(stop,), name="webhooks", daemon=True)
+    thread.start()
+    return thread
 
 
 def run_dispatcher_process(dispatcher_cls: type[Dispatcher] = Dispatcher) -> None:
@@ -103,7 +117,10 @@ def run_dispatcher_process(dispatcher_cls: type[Dispatcher] = Dispatcher) -> Non
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     owner = settings.resolved_dispatcher_id()
+    sender = start_sender(runtime.engine, settings, stop)
     try:
         dispatcher_cls(engine=runtime.engine, settings=settings, ray=runtime.ray, owner=owner).run(stop)
     finally:
+        stop.set()
+        sender.join(timeout=30)
         runtime.close()

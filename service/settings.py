@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from service.auth import TokenInfo
 from service.exclusion import Rules
 from service.fairshare import FairShare
+from service.notify_spec import ClusterWebhook
 from service.quotas import Quotas, parse_queue_limit
 from service.spec import MAX_SPEC_DEPTH, QUEUE_NAME
 from service.stall import StallPolicy
@@ -118,6 +119,19 @@ class Settings(BaseSettings):
     # How often the Ray Train controller polls workers: each ray.train.report() waits for that poll.
     train_poll_seconds: float = Field(0.25, gt=0)
 
+    # Notifications (service/webhooks.py): cluster-wide targets, a JSON list of {"url", "events", "format", "secret"}
+    # told of every job's changes; the secret that signs deliveries whose entry has none of its own; whether
+    # loopback and private addresses may be called (tests, a private network's own receivers); and the retries.
+    webhook_secret: str | None = Field(None, min_length=16, repr=False)  # before webhooks: its check reads it
+    webhooks: list[ClusterWebhook] = Field(default_factory=list)
+    webhook_allow_private: bool = False
+    webhook_max_attempts: int = Field(15, ge=1, le=100)
+    webhook_backoff_seconds: float = Field(2.0, gt=0)
+    webhook_backoff_max_seconds: float = Field(600.0, gt=0)
+    webhook_timeout_seconds: float = Field(5.0, gt=0, le=60)
+    webhook_concurrency: int = Field(8, ge=1, le=64, description="deliveries in flight at once per process")
+    webhook_poll_seconds: float = Field(0.5, gt=0)
+
     @field_validator("job_env", "queues", "api_tokens", "quotas", "fair_share", mode="before")
     @classmethod
     def _json_mappings(cls, value: Any, info: ValidationInfo) -> Any:
@@ -166,6 +180,13 @@ class Settings(BaseSettings):
 
     def fair_share_config(self) -> FairShare:
         return FairShare.parse(self.fair_share)
+
+    @field_validator("webhooks")
+    @classmethod
+    def _webhooks_signed(cls, value: list[ClusterWebhook], info: ValidationInfo) -> list[ClusterWebhook]:
+        if any(t.secret is None for t in value) and not info.data.get("webhook_secret"):
+            raise ValueError("a target without its own secret needs SHUNTER_WEBHOOK_SECRET to sign with")
+        return value
 
     def stall_policy(self) -> StallPolicy:
         return StallPolicy(detect=self.stall_detection, min_seconds=self.stall_min_seconds, factor=self.stall_factor)

@@ -32,6 +32,7 @@ from service.dependency_spec import (
     reference_problem,
 )
 from service.entrypoint import Entrypoint
+from service.notify_spec import MAX_TARGETS, NotifyTarget
 from service.numbers import StrictModel
 from service.strategy import StrategySpec, check_finite
 
@@ -307,6 +308,10 @@ class JobSpec(StrictModel):
     on_dependency_failure: OnFailure = Field(
         OnFailure.fail, description="fail: end FAILED (dependency_failed) when a dependency misses; cancel: CANCELLED"
     )
+    notify: list[NotifyTarget] = Field(
+        default_factory=list, max_length=MAX_TARGETS,
+        description="webhooks told of this job's state changes (service.notify); each secret is write-only",
+    )  # fmt: skip
 
     @field_validator("name")
     @classmethod

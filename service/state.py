@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import update
 from sqlmodel import Session
 
-from service import dependencies
+from service import dependencies, notify
 from service.errors import IllegalTransition, StaleWrite
 from service.models import EndReason, EventKind, Job, JobEvent, JobState, utcnow
 
@@ -77,6 +77,7 @@ def transition(
     )  # fmt: skip
     for key, value in changes.items():
         setattr(job, key, value)
+    notify.enqueue(session, job, from_state=frm, to_state=to, reason=reason, message=message, at=now)  # webhooks
     if to.is_terminal:  # its dependents (depends_on) are met, or end: in this same transaction
         dependencies.settle(session, job, now=now, actor=actor, transition=transition, record_event=record_event)
     return job

@@ -37,6 +37,7 @@ _METRIC_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./:-]{0,127}")
 INDEX_KEY = "sweep_index"  # the config key `count` fills in
 MAX_COUNT = 100_000  # a static bound; the service's own cap is `Settings.max_sweep_members`
 SPEC_ROOTS = frozenset(JobSpec.model_fields) - {"name"}
+NOT_SWEPT = frozenset({"notify"})
 
 
 class SweepMetric(StrictModel):
@@ -138,6 +139,9 @@ def _check_key(key: str, loc: tuple[str | int, ...]) -> None:
         raise field_error(loc, f"{key!r} has an empty part", key, "SweepRequest")
     if parts[0] == "name":
         raise field_error(loc, "the sweep names its members (<sweep name>-<index>)", key, "SweepRequest")
+    if parts[0] in NOT_SWEPT:
+        # Its secrets are write-only: swept values are stored and shown as given, so one would be returned.
+        raise field_error(loc, f"{parts[0]} is not swept; set it in base", key, "SweepRequest")
 
 
 def _overlaps(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
@@ -187,7 +191,7 @@ def member_specs(request: SweepRequest) -> list[tuple[dict[str, Any], JobSpec]]:
             raise InvalidSpec(f"member {index} {_shown(values)}: {exc.detail}", field=where) from None
         body["name"] = f"{request.name}-{index}"
         try:
-            out.append((values, JobSpec.model_validate(body)))
+            member = JobSpec.model_validate(body)
         except ValidationError as exc:
             first = exc.errors()[0]
             loc = ".".join(str(p) for p in first["loc"] if not isinstance(p, int))
@@ -195,7 +199,17 @@ def member_specs(request: SweepRequest) -> list[tuple[dict[str, Any], JobSpec]]:
             key = next((k for k in values if _overlaps(path_of(k), tuple(loc.split(".")))), None)
             field = _source(request, key) if key else f"base.{loc}"
             raise InvalidSpec(f"member {index} {_shown(values)}: {loc}: {message}", field=field) from None
+        _carry_write_only(request.base, member)
+        out.append((values, member))
     return out
+
+
+def _carry_write_only(base: JobSpec, member: JobSpec) -> None:
+    """A notify entry's secret is write-only, left out of every dump: a member whose entry is the base's, unchanged,
+    is signed with the base's secret too (not with the cluster's)."""
+    for mine, given in zip(getattr(member, "notify", None) or [], getattr(base, "notify", None) or [], strict=False):
+        if mine.secret is None and given.secret is not None and mine.model_dump() == given.model_dump():
+            mine.secret = given.secret
 
 
 def _source(request: SweepRequest, key: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic import context
 from sqlmodel import SQLModel
 
-from service import models  # noqa: F401  (registers the tables)
+from service import models, notify_models  # noqa: F401  (registers the tables)
 
 connection = context.config.attributes["connection"]
 context.configure(

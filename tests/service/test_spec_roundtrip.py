@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
+from sqlmodel import Session, select
 
 from service.db import session_scope
 from service.jobs import Caller, submit
@@ -199,6 +199,23 @@ def strategies(draw: st.DrawFn, *, workers: int, use_gpu: bool) -> dict[str, Any
     return out
 
 
+STATE_NAMES = ["QUEUED", "STARTING", "RUNNING", "CANCELLING", "SUCCEEDED", "FAILED", "CANCELLED"]
+
+
+@st.composite
+def notify_entries(draw: st.DrawFn, *, with_secret: bool) -> dict[str, Any]:
+    """A `notify` entry. Its secret is write-only (never dumped): the generic properties draw entries without one, and
+    test_notify_secrets_are_the_one_thing_not_dumped states that exception."""
+    host = draw(st.sampled_from(["hooks.example.com", "example.org:8443", "93.184.215.14", "[2606:4700::1]"]))
+    path = draw(st.from_regex(r"(/[A-Za-z0-9._~-]{0,8}){0,3}(\?[a-z]=[0-9]{1,3})?", fullmatch=True))
+    entry: dict[str, Any] = {"url": f"{draw(st.sampled_from(['http', 'https']))}://{host}{path}"}
+    optional(draw, entry, "events", st.lists(st.sampled_from(STATE_NAMES), min_size=1, max_size=7, unique=True))
+    optional(draw, entry, "format", st.sampled_from(["json", "slack"]))
+    if with_secret:
+        optional(draw, entry, "secret", st.text(st.characters(codec="utf-8"), min_size=16, max_size=40))
+    return entry
+
+
 @st.composite
 def spec_bodies(draw: st.DrawFn) -> dict[str, Any]:
     """A valid JobSpec body, as a client would POST it: some fields given, the rest left to their defaults."""
@@ -243,6 +260,7 @@ def spec_bodies(draw: st.DrawFn) -> dict[str, Any]:
     optional(draw, preflight, "timeout_seconds", st.integers(1, 600) | st.floats(1.0, 600.0))
     optional(draw, body, "preflight", st.just(preflight))
     optional(draw, body, "stall_timeout_seconds", st.integers(1, 7 * 86400) | st.floats(0.001, 7 * 86400))
+    optional(draw, body, "notify", st.lists(notify_entries(with_secret=False), max_size=3))
     dependencies(draw, body)
     return body
 
@@ -415,3 +433,28 @@ def test_non_json_numbers_are_refused(patch: dict[str, Any]) -> None:
     spec that comes back different, nor an OverflowError (a 500)."""
     with pytest.raises(ValidationError):
         JobSpec.model_validate({**BUG_SPEC, **patch})
+
+
+@DB_SETTINGS
+@given(body=spec_bodies(), entries=st.lists(notify_entries(with_secret=True), min_size=1, max_size=3))
+def test_notify_secrets_are_the_one_thing_not_dumped(db: Engine, body: dict[str, Any], entries: list[Any]) -> None:
+    """A notify entry's secret is write-only: no dump of the spec holds it (the API returns the stored spec, the driver
+    gets it), and everything else round-trips exactly as the generic properties say; the secret itself is stored
+    apart (notify_secrets), exactly as written."""
+    from service.notify_models import NotifySecret
+
+    body = {k: v for k, v in body.items() if k != "depends_on"}  # no jobs to depend on in this database
+    spec = accepted({**body, "notify": entries})
+    without = accepted({**body, "notify": [{k: v for k, v in e.items() if k != "secret"} for e in entries]})
+    dump = spec.model_dump(mode="json")
+    assert dump == without.model_dump(mode="json")
+    assert JobSpec.model_validate(dump) == without
+    assert JobSpec.model_validate_json(spec.model_dump_json()) == without
+    with session_scope(db) as session:
+        job, _ = submit(session, spec, caller=Caller(owner="roundtrip"))
+        job_id = job.id
+    with Session(db) as session:
+        row = session.get(Job, job_id)
+        assert row is not None and JobSpec.model_validate(row.spec) == without
+        kept = {s.target: s.secret for s in session.exec(select(NotifySecret).where(NotifySecret.job_id == job_id))}
+    assert kept == {i: e["secret"] for i, e in enumerate(entries) if "secret" in e}
