@@ -138,13 +138,17 @@ def status(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None,
         if key == "position" and value is not None:
             value = f"{value.queue} in queue {job.queue!r}, {value.overall} overall"
         elif key == "estimated_start" and job.state == "QUEUED":
-            value = _start_text(value)
+            value = _start_text(value) if not job.waiting_on else "once its dependencies are met"
         if value is not None:
             table.add_row(f"[bold]{key}[/bold]", str(value))
     current = next((a for a in attempts if a.number == job.attempt), None)
     checked = preflight.summary(current.preflight) if current is not None else None
     if checked:
         table.add_row("[bold]preflight[/bold]", f"attempt {job.attempt}: {checked}")
+    for dep in job.dependencies or []:  # depends_on (service.dependencies)
+        named = f", as {dep.as_}" if dep.as_ else ""
+        handed = f", checkpoint {dep.checkpoint}" if dep.checkpoint else ""
+        table.add_row("[bold]depends on[/bold]", f"{dep.job} (on {dep.on}{named}): {dep.status}, {dep.state}{handed}")
     console.print(table)
 
 

@@ -12,7 +12,9 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
+from typer.testing import CliRunner
 
+from api.cli import app as cli
 from service import dependencies, jobs, leases, submission
 from service.dependency_spec import Condition, OnFailure, references, substitute
 from service.errors import Conflict, Forbidden, InvalidSpec
@@ -349,6 +351,12 @@ def test_the_api_refuses_bad_dependencies_and_shows_them(db: Engine, tmp_path: P
         assert made.status_code == 201, made.text
         body = httpx.get(f"{api.url}/v1/jobs/{made.json()['id']}", headers={"Authorization": "Bearer tok-alice"},
                          timeout=10).json()  # fmt: skip
+        shown = CliRunner().invoke(cli, ["status", body["id"], "--server", api.url, "--token", "tok-alice"],
+                                   env={"COLUMNS": "200"})  # fmt: skip
+    assert shown.exit_code == 0, shown.output
+    lines = [" ".join(line.split()) for line in shown.stdout.splitlines()]
+    assert f"depends on {pre} (on succeeded, as pre): pending, QUEUED" in lines
+    assert "estimated_start once its dependencies are met" in lines
     assert body["waiting_on"] == 1
     assert body["state_reason"] == f"waiting for job {pre} to succeed (1 of 1 dependency left)"
     assert body["dependencies"] == [{"job": pre, "on": "succeeded", "as": "pre", "status": "pending",
