@@ -22,6 +22,7 @@ stored spec never changes (a retry keeps it).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -135,20 +136,40 @@ Transition = Callable[..., Job]
 Note = Callable[..., None]
 
 
+_SETTLING = "shunter.dependencies.settling"  # session.info: the jobs ended in this settle, still to settle
+
+
 def settle(
     session: Session, job: Job, *, now: datetime, actor: str | None, transition: Transition, record_event: Note
 ) -> None:
     """`job` has just ended: settle every pending edge on it, in this transaction. `transition` and `record_event`
-    are `service.state`'s (passed in: this module is below it)."""
-    state = JobState(job.state)
+    are `service.state`'s (passed in: this module is below it). A dependent ended here settles its own dependents
+    from this loop, not by recursion, so a chain of any length ends in one transaction."""
+    queue: deque[tuple[str, JobState]] | None = session.info.get(_SETTLING)
+    if queue is not None:  # a dependent ended by the settle already running in this session
+        queue.append((job.id, JobState(job.state)))
+        return
+    queue = session.info[_SETTLING] = deque([(job.id, JobState(job.state))])
+    try:
+        while queue:
+            ended, state = queue.popleft()
+            _settle_one(session, ended, state, now=now, actor=actor, transition=transition, record_event=record_event)
+    finally:
+        del session.info[_SETTLING]
+
+
+def _settle_one(
+    session: Session, job_id: str, state: JobState, *, now: datetime, actor: str | None, transition: Transition,
+    record_event: Note,
+) -> None:  # fmt: skip
     edges = session.exec(
         select(JobDependency)
-        .where(JobDependency.depends_on == job.id, col(JobDependency.outcome).is_(None))
+        .where(JobDependency.depends_on == job_id, col(JobDependency.outcome).is_(None))
         .order_by(col(JobDependency.id))
     ).all()
     if not edges:
         return
-    checkpoint = session.exec(select(Job.latest_checkpoint).where(Job.id == job.id)).first()
+    checkpoint = session.exec(select(Job.latest_checkpoint).where(Job.id == job_id)).first()
     for edge in edges:
         got = outcome(Condition(edge.condition), state)
         _set_edge(session, edge.id, got, now=now, checkpoint=checkpoint if got == MET else None)
@@ -163,9 +184,9 @@ def settle(
             session.execute(update(Job).where(col(Job.id) == dependent.id).values(state_reason=reason))
             record_event(session, dependent.id, kind=EventKind.DEPENDENCY, reason="dependency_met", actor=actor,
                          attempt=dependent.attempt, at=now,
-                         message=f"job {job.id} ended {state.value}; {reason}")  # fmt: skip
+                         message=f"job {job_id} ended {state.value}; {reason}")  # fmt: skip
             continue
-        message = miss_message(job.id, state)
+        message = miss_message(job_id, state)
         policy = OnFailure((dependent.spec or {}).get("on_dependency_failure", OnFailure.fail.value))
         transition(
             session, dependent, to=miss_state(policy), reason=EndReason.DEPENDENCY_FAILED.value, message=message,

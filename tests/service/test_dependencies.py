@@ -399,3 +399,32 @@ def test_a_dependency_ending_while_a_dependent_is_submitted_is_never_missed(db: 
     thread.join(timeout=30)
     assert made, "the submission did not finish"
     assert (row(db, made[0]).waiting_on, row(db, made[0]).state_reason) == (0, dependencies.READY_REASON)
+
+
+def test_a_long_chain_ends_link_by_link_in_the_one_transaction(db: Engine) -> None:
+    """200 jobs, each waiting on the one before: the first one's failure ends them all in its own transition, from
+    the settle loop. Recursion (two frames a link at least) would run out of the stack allowed here."""
+    import inspect
+    import sys
+
+    put(db, "c0")
+    links = 200
+    with Session(db) as session:
+        for i in range(1, links + 1):
+            spec = {**BASE, "depends_on": [{"job": f"c{i - 1}", "on": "succeeded", "as": None}]}
+            session.add(Job(id=f"c{i}", name="c", spec=spec, waiting_on=1, created_at=NOW))
+        session.flush()
+        for i in range(1, links + 1):
+            session.add(JobDependency(job_id=f"c{i}", depends_on=f"c{i - 1}", condition="succeeded"))
+        session.commit()
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack()) + 250)  # a link's own frames fit, 200 links' worth do not
+    try:
+        end(db, "c0", S.FAILED)
+    finally:
+        sys.setrecursionlimit(limit)
+    last = row(db, f"c{links}")
+    assert (last.state, last.end_reason, last.waiting_on) == (S.FAILED, EndReason.DEPENDENCY_FAILED, 0)
+    assert last.last_error == f"dependency c{links - 1} ended FAILED and can no longer succeed"
+    with Session(db) as session:
+        assert not session.exec(select(Job.id).where(Job.state == S.QUEUED)).all()
