@@ -78,6 +78,14 @@ class Delivery(StrictModel):
         return value
 
 
+def check_secret(value: str | None) -> str | None:
+    """A secret is text without control characters (PostgreSQL text cannot even hold a NUL: it would be kept as
+    another character, and no signature would match)."""
+    if value is not None and any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in value):
+        raise ValueError("must not contain control characters")
+    return value
+
+
 class NotifyTarget(Delivery):
     """One `notify` entry of a job spec. Its `secret` signs the job's deliveries; it is never stored in the spec,
     returned, logged or handed to the job (`exclude=True` leaves it out of every dump: `service.notify` keeps it)."""
@@ -87,8 +95,12 @@ class NotifyTarget(Delivery):
         description="signs this entry's deliveries (default: the cluster's SHUNTER_WEBHOOK_SECRET); write-only",
     )  # fmt: skip
 
+    _secret = field_validator("secret")(check_secret)
+
 
 class ClusterWebhook(Delivery):
     """One entry of `SHUNTER_WEBHOOKS`: every job's changes to `events`, signed with its own secret or the cluster's."""
 
     secret: str | None = Field(None, min_length=MIN_SECRET_LENGTH, max_length=MAX_SECRET_LENGTH, repr=False)
+
+    _secret = field_validator("secret")(check_secret)

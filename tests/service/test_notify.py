@@ -177,6 +177,8 @@ BASE = {"entrypoint": {"callable": "a:b"}}
         ([{"url": "https://example.com/", "events": []}], "notify.0.events"),
         ([{"url": "https://example.com/", "events": ["FAILED", "FAILED"]}], "notify.0.events"),
         ([{"url": "https://example.com/", "secret": "short"}], "notify.0.secret"),
+        ([{"url": "https://example.com/", "secret": "0123456789abcdef\x00"}], "notify.0.secret"),  # PostgreSQL: no NUL
+        ([{"url": "https://example.com/", "secret": "0123456789abcdef\n"}], "notify.0.secret"),
         ([{"url": "https://example.com/", "format": "xml"}], "notify.0.format"),
         ([{"url": "https://example.com/", "retries": 3}], "notify.0.retries"),
         ([{"url": "https://example.com/"}] * 11, "notify"),
