@@ -26,6 +26,7 @@ from api.routes import internal as internal_routes
 from api.routes import jobs as jobs_routes
 from api.routes import notifications as notifications_routes
 from api.routes import queues as queues_routes
+from api.routes import sweeps as sweeps_routes
 from api.routes import usage as usage_routes
 from api.schemas import ReadyBody
 from api.streams import RETRY_AFTER_SECONDS, is_database_outage
@@ -181,6 +182,7 @@ def create_app(
     app.include_router(cluster_routes.router)
     app.include_router(queues_routes.router)
     app.include_router(usage_routes.router)
+    app.include_router(sweeps_routes.router)
     app.include_router(code_routes.router)
     app.include_router(metrics.router)
     app.include_router(internal_routes.router)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from api import commands, launchers
+from api import commands, launchers, sweep_commands
 
 app = typer.Typer(help="shunter: a durable queue in front of Ray Train.", no_args_is_help=True, add_completion=False)
 
@@ -18,6 +18,7 @@ app = typer.Typer(help="shunter: a durable queue in front of Ray Train.", no_arg
 for part in (launchers.app, commands.app):
     app.registered_commands.extend(part.registered_commands)
     app.registered_groups.extend(part.registered_groups)
+app.add_typer(sweep_commands.app, name="sweep")  # a named group: fine on typer 0.12
 
 
 if __name__ == "__main__":

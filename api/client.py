@@ -24,6 +24,7 @@ from api.schemas import (
     MetricPoint,
     UsagePublic,
 )
+from api.sweep_schemas import SweepCancelled, SweepList, SweepPublic
 
 
 class ApiError(Exception):
@@ -218,6 +219,21 @@ class Client:
                 r.read()
                 raise ApiError(r.status_code, r.json())
             yield from r.iter_text()
+
+    def submit_sweep(self, request: dict[str, Any], *, idempotency_key: str | None = None) -> SweepPublic:
+        """`POST /v1/sweeps`: a base spec and grid / points / count; every member is queued, or none."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return SweepPublic.model_validate(self._call("POST", "/v1/sweeps", json=request, headers=headers))
+
+    def sweep(self, sweep_id: str) -> SweepPublic:
+        return SweepPublic.model_validate(self._call("GET", f"/v1/sweeps/{sweep_id}"))
+
+    def sweeps(self, *, limit: int = 50, cursor: str | None = None, owner: str | None = None) -> SweepList:
+        params = {k: v for k, v in {"limit": limit, "cursor": cursor, "owner": owner}.items() if v}
+        return SweepList.model_validate(self._call("GET", "/v1/sweeps", params=params))
+
+    def cancel_sweep(self, sweep_id: str) -> SweepCancelled:
+        return SweepCancelled.model_validate(self._call("POST", f"/v1/sweeps/{sweep_id}/cancel"))
 
     def health(self) -> dict[str, Any]:
         return dict(self._call("GET", "/healthz"))

@@ -69,6 +69,8 @@ class JobPublic(_Out):
     # What the user should know that did not stop the job, e.g. a strategy asked for that the train loop never applied.
     warnings: list[str] = []
     spec: dict[str, Any]
+    sweep_id: str | None = Field(None, description="the sweep this job is a member of (GET /v1/sweeps/{id})")
+    sweep_index: int | None = Field(None, description="its index in that sweep")
     waiting_on: int = Field(0, description="dependencies not met yet: the job is not admitted while this is above 0")
     dependencies: list[DependencyPublic] | None = Field(
         None, description="GET /v1/jobs/{id} and submission: its depends_on entries and their status"
