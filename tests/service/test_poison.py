@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text, update
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlmodel import Session, col, select
 
 from service.backend import ClusterView, NodeView, RayJobInfo, submission_id
@@ -247,33 +247,42 @@ def test_a_nul_in_what_ray_says_of_a_job_does_not_make_its_end_unwritable(db: En
         assert "before\ufffdafter" in row.last_error
 
 
+def _add_missing_schema(conn: Connection) -> None:
+    """The current models' tables and columns that the database lacks, added as they are (no enum type changes)."""
+    from sqlalchemy import inspect
+    from sqlmodel import SQLModel
+
+    import service.db  # noqa: F401  (imports every table module)
+
+    have = inspect(conn)
+    tables = set(have.get_table_names())
+    for table in SQLModel.metadata.sorted_tables:
+        if table.name not in tables:
+            table.create(conn)
+            continue
+        present = {c["name"] for c in have.get_columns(table.name)}
+        for column in table.columns:
+            if column.name in present:
+                continue
+            kind = column.type.compile(dialect=conn.dialect)
+            default = column.server_default.arg if column.server_default is not None else None
+            tail = f" NOT NULL DEFAULT {default}" if default is not None and not column.nullable else ""
+            conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}{tail}'))
+
+
 def test_a_write_the_database_refuses_ends_that_job_after_patience_not_never(tmp_path: Path) -> None:
     """A database the new release did not migrate yet lacks the end reason `cluster_restarted` (PostgreSQL enum):
     recording that one attempt's end fails with a DataError on every tick. The job is given up on after
     `job_fault_patience_seconds`, as any job shunter cannot handle, and the others carry on."""
     from service.migrate import upgrade
-    from service.models import JobDependency, NodeFault
     from tests.service.conftest import fresh_pg_database
 
     with fresh_pg_database("shunter_oldschema") as url:
         engine = make_engine(url)
         try:
             upgrade(engine, "c4d2e8a17f30")  # the schema of the release before the enum value was migrated
-            with engine.begin() as conn:  # with the columns later releases added (the enum value stays missing)
-                for statement in (
-                    "ALTER TABLE jobs ADD COLUMN team VARCHAR(128)",
-                    "ALTER TABLE jobs ADD COLUMN world_size INTEGER",
-                    "ALTER TABLE attempts ADD COLUMN cpus FLOAT NOT NULL DEFAULT 0",
-                    "ALTER TABLE attempts ADD COLUMN gpus FLOAT NOT NULL DEFAULT 0",
-                    "ALTER TABLE queues ADD COLUMN owner_quota JSON, ADD COLUMN team_quota JSON, "
-                    "ADD COLUMN cohort VARCHAR(64), ADD COLUMN borrowing_limit JSON",
-                    "ALTER TABLE jobs ADD COLUMN stalled_at TIMESTAMP WITH TIME ZONE",
-                    "ALTER TABLE attempts ADD COLUMN preflight JSON, ADD COLUMN excluded_nodes JSON",
-                    "ALTER TABLE jobs ADD COLUMN waiting_on INTEGER NOT NULL DEFAULT 0",
-                ):
-                    conn.execute(text(statement))
-                NodeFault.__table__.create(conn)  # type: ignore[attr-defined]
-                JobDependency.__table__.create(conn)  # type: ignore[attr-defined]
+            with engine.begin() as conn:  # with the tables and columns later releases added (the enum value stays
+                _add_missing_schema(conn)  # missing): every release's own, read off the models, so none is forgotten
             backend = Backend(tmp_path / "noop", run_seconds=60)
             conf = Settings(database_url="sqlite://", data_dir=tmp_path / "data", storage_uri=str(tmp_path / "c"),
                             job_fault_patience_seconds=1.0)  # fmt: skip
