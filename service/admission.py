@@ -15,7 +15,7 @@ from sqlalchemy import update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from service import exclusion, fairshare, growth, leases, queues, quotas, resources, scheduler, standing
+from service import dependencies, exclusion, fairshare, growth, leases, queues, quotas, resources, scheduler, standing
 from service.backend import ClusterView, submission_id
 from service.db import session_scope
 from service.models import ACTIVE_STATES, Attempt, EndReason, EventKind, Job, JobState, utcnow
@@ -71,7 +71,9 @@ def admit(
         for job in active:
             if job.state == JobState.STARTING:
                 resources.take_spread([n.free for n in nodes], resources_of(job))
-        candidates = [kept_off(candidate(job, spec), per_job.get(job.id), cluster) for job, spec in waiting]
+        ready = dependencies.ready_since(session, [j.id for j, _ in waiting])
+        candidates = [kept_off(replace(candidate(job, spec), ready_since=ready.get(job.id)), per_job.get(job.id),
+                               cluster) for job, spec in waiting]  # fmt: skip
         kept = {c.job_id: sorted(c.excluded | set(everyone)) for c in candidates}
         kept_why = {c.job_id: {n: per_job[c.job_id][n] for n in c.excluded} for c in candidates if c.excluded}
         limits, rules = queues.limits(session, settings), settings.quota_rules()

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import func, update
 from sqlmodel import Session, col, select
 
 from service.dependency_spec import Condition, OnFailure, substitute
@@ -276,3 +276,16 @@ def _spec(job: Job | None) -> JobSpec | None:
         return JobSpec.model_validate(job.spec)
     except ValueError:
         return None
+
+
+def ready_since(session: Session, job_ids: list[str]) -> dict[str, float]:
+    """Job id -> when its last dependency was settled (seconds), for those of `job_ids` that had any: since then it
+    waits for room, not for its dependencies (the starvation guard counts from here)."""
+    if not job_ids:
+        return {}
+    query = (
+        select(JobDependency.job_id, func.max(JobDependency.settled_at))
+        .where(col(JobDependency.job_id).in_(job_ids), col(JobDependency.settled_at).is_not(None))
+        .group_by(col(JobDependency.job_id))
+    )
+    return {job_id: at.timestamp() for job_id, at in session.exec(query).all() if at is not None}

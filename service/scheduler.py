@@ -29,6 +29,9 @@ class Candidate:
     run_seconds: float | None = None  # its timeout: the longest it can run once started (fair share's projection)
     min_workers: int | None = None  # an elastic group: starts at any size in [min_workers, num_workers]
     excluded: frozenset[str] = frozenset()  # nodes its workers are kept off (service.exclusion)
+    # Since when it could start (seconds): its last dependency's end for a job with depends_on, else its creation. The
+    # starvation guard counts from here: a job that waited on its dependencies has not waited for room.
+    ready_since: float | None = None
 
     def total(self) -> dict[str, float]:
         return resources.scaled(self.per_worker, self.num_workers)
@@ -170,7 +173,8 @@ def plan(
             continue
         if placed is None:
             result.waiting[cand.job_id] = f"{WAITING_FOR_ROOM} for {cand.num_workers} x {cand.per_worker}"
-            starving = reserve_after_seconds is not None and now - cand.seq >= reserve_after_seconds
+            since = cand.seq if cand.ready_since is None else cand.ready_since
+            starving = reserve_after_seconds is not None and now - since >= reserve_after_seconds
             if not backfill or starving:
                 holder = cand
             continue

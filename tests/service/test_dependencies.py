@@ -428,3 +428,22 @@ def test_a_long_chain_ends_link_by_link_in_the_one_transaction(db: Engine) -> No
     assert last.last_error == f"dependency c{links - 1} ended FAILED and can no longer succeed"
     with Session(db) as session:
         assert not session.exec(select(Job.id).where(Job.state == S.QUEUED)).all()
+
+
+def test_ready_since_is_when_the_last_dependency_was_settled(db: Engine) -> None:
+    """What admission's starvation guard counts from (scheduler.Candidate.ready_since): a job with dependencies has
+    waited for room only since its last one was met; a job without any is not listed (its creation time counts)."""
+    put(db, "a")
+    put(db, "b")
+    two = submit(db, depends_on=[{"job": "a"}, {"job": "b"}])
+    plain = submit(db)
+    with Session(db) as session:
+        assert dependencies.ready_since(session, [two, plain]) == {}
+    end(db, "a", S.SUCCEEDED)
+    with Session(db) as session:
+        first = dependencies.ready_since(session, [two])[two]
+    end(db, "b", S.SUCCEEDED)
+    with Session(db) as session:
+        settled = session.exec(select(JobDependency.settled_at).where(JobDependency.job_id == two)).all()
+        last = dependencies.ready_since(session, [two, plain])
+    assert set(last) == {two} and last[two] == max(s.timestamp() for s in settled if s) and last[two] >= first

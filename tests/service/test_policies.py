@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from service.errors import InvalidSpec
@@ -151,6 +153,15 @@ def test_backfill_stops_once_the_blocked_job_has_waited_long_enough(waited: floa
     assert result.admit == admitted
     if not admitted:
         assert "held behind big" in result.waiting["small"]
+
+
+@pytest.mark.parametrize(("ready_since", "admitted"), [(350.0, ["small"]), (50.0, [])])
+def test_the_starvation_guard_counts_from_when_a_dependent_job_became_ready(ready_since: float, admitted: list[str]):
+    """A job created long ago that waited on its dependencies (depends_on) has not waited for room: created at 0 and
+    ready at 350, at 400 it has waited 50 s and small ones may still backfill; ready at 50, it has waited 350 s."""
+    big = replace(cand("big", 4, seq=0.0), ready_since=ready_since)
+    result = plan([big, cand("small", 1, seq=1.0)], nodes(2), now=400.0, reserve_after_seconds=300)
+    assert result.admit == admitted
 
 
 # ---- preemption: only lower-priority jobs of the blocked job's own queue -----------------------------------------
