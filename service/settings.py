@@ -182,6 +182,11 @@ class Settings(BaseSettings):
     def fair_share_config(self) -> FairShare:
         return FairShare.parse(self.fair_share)
 
+    @field_validator("webhook_secret", mode="before")
+    @classmethod
+    def _unset_when_empty(cls, value: Any) -> Any:
+        return None if isinstance(value, str) and not value.strip() else value  # SHUNTER_WEBHOOK_SECRET= is unset
+
     @field_validator("webhooks")
     @classmethod
     def _webhooks_signed(cls, value: list[ClusterWebhook], info: ValidationInfo) -> list[ClusterWebhook]:

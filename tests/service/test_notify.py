@@ -526,3 +526,14 @@ def test_api_refuses_bad_entries_with_422(api: TestClient, entry: dict[str, Any]
     answer = api.post("/v1/jobs", json={**BASE, "notify": [entry]}, headers=auth("tok-alice"))
     assert answer.status_code == 422, answer.text
     assert answer.json()["field"] == field
+
+
+@pytest.mark.parametrize("value", ["", "   "])
+def test_an_empty_cluster_secret_in_the_environment_is_unset_not_a_start_up_error(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHUNTER_WEBHOOK_SECRET", value)
+    assert Settings().webhook_secret is None
+    monkeypatch.setenv("SHUNTER_WEBHOOK_SECRET", "short")
+    with pytest.raises(ValueError, match="webhook_secret"):
+        Settings()
