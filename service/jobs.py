@@ -171,6 +171,7 @@ def list_jobs(
     queue: str | None = None,
     name: str | None = None,
     owner: str | None = None,
+    sweep: str | None = None,
     limit: int = 50,
     before: tuple[datetime, str] | None = None,
 ) -> list[Job]:
@@ -189,6 +190,8 @@ def list_jobs(
         query = query.where(Job.queue == queue)
     if name is not None:
         query = query.where(Job.name == name)
+    if sweep is not None:
+        query = query.where(Job.sweep_id == sweep)
     if before is not None:
         created, job_id = before
         query = query.where(

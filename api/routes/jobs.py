@@ -124,13 +124,22 @@ def list_jobs(
     queue: Annotated[str | None, Query(max_length=64)] = None,
     name: Annotated[str | None, Query(max_length=128)] = None,
     owner: Annotated[str | None, Query(max_length=128, description="admins: only this owner's jobs")] = None,
+    sweep: Annotated[str | None, Query(max_length=32, description="only this sweep's members")] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(max_length=512)] = None,
 ) -> JobList:
     """Jobs, newest first. Pass `next_cursor` back as `cursor` for the next page."""
     before = _decode_cursor(cursor) if cursor else None
     rows = jobs.list_jobs(
-        session, caller=caller, state=state, queue=queue, name=name, owner=owner, limit=limit + 1, before=before
+        session,
+        caller=caller,
+        state=state,
+        queue=queue,
+        name=name,
+        owner=owner,
+        sweep=sweep,
+        limit=limit + 1,
+        before=before,
     )
     page = rows[:limit]
     next_cursor = _encode_cursor(page[-1]) if len(rows) > limit else None

@@ -70,6 +70,9 @@ def test_members_are_jobs_and_sweeps_are_their_owners(db: Engine, tmp_path: Path
             {"lr": 0.1, "resources.num_workers": 1}, {"lr": 0.1, "resources.num_workers": 2},
             {"lr": 0.01, "resources.num_workers": 1}, {"lr": 0.01, "resources.num_workers": 2},
         ]  # fmt: skip
+        listed = call(api.url, "GET", "/v1/jobs", params={"sweep": sweep["id"]}).json()["items"]
+        assert sorted(j["id"] for j in listed) == sorted(m["job_id"] for m in sweep["members"])
+        assert call(api.url, "GET", "/v1/jobs", "tok-bob", params={"sweep": sweep["id"]}).json()["items"] == []
         job = call(api.url, "GET", f"/v1/jobs/{sweep['members'][3]['job_id']}").json()
         assert (job["sweep_id"], job["sweep_index"], job["name"], job["owner"]) == (sweep["id"], 3, "mlp-3", "alice")
         assert job["spec"]["config"] == {"total_steps": 4, "lr": 0.01} and job["spec"]["resources"]["num_workers"] == 2
