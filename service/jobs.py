@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 from datetime import datetime
 
+from sqlalchemy import func
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
@@ -250,6 +251,11 @@ def visible_events(session: Session, *, caller: Caller, after_id: int = 0, limit
     if not caller.admin:
         query = query.join(Job, col(Job.id) == col(JobEvent.job_id)).where(Job.owner == caller.owner)
     return list(session.exec(query.order_by(col(JobEvent.id)).limit(limit)).all())
+
+
+def last_event_id(session: Session) -> int:
+    """The newest event id (0 before any): where a stream that follows a listing read now starts."""
+    return int(session.exec(select(func.max(JobEvent.id))).one() or 0)
 
 
 def active_jobs(session: Session, *, caller: Caller) -> list[Job]:

@@ -120,6 +120,8 @@ def submit_job(
 def list_jobs(
     session: SessionDep,
     caller: CallerDep,
+    settings: SettingsDep,
+    response: Response,
     state: JobState | None = None,
     queue: Annotated[str | None, Query(max_length=64)] = None,
     name: Annotated[str | None, Query(max_length=128)] = None,
@@ -128,8 +130,13 @@ def list_jobs(
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(max_length=512)] = None,
 ) -> JobList:
-    """Jobs, newest first. Pass `next_cursor` back as `cursor` for the next page."""
+    """Jobs, newest first; a queued one with its `position`. Pass `next_cursor` back as `cursor` for the next page.
+
+    `X-Events-After` is the newest event id when the listing was read: a client that renders this page and then
+    follows `/v1/events?after=<it>` misses no change (an event it also saw in the page only repeats a state)."""
     before = _decode_cursor(cursor) if cursor else None
+    # Read before the jobs: every event after it comes through the stream, every one up to it is in the rows.
+    response.headers["X-Events-After"] = str(jobs.last_event_id(session))
     rows = jobs.list_jobs(
         session,
         caller=caller,
@@ -143,7 +150,20 @@ def list_jobs(
     )
     page = rows[:limit]
     next_cursor = _encode_cursor(page[-1]) if len(rows) > limit else None
-    return JobList(items=[to_public(j, session) for j in page], next_cursor=next_cursor)
+    items = [to_public(j, session) for j in page]
+    if any(j.state == JobState.QUEUED for j in items):
+        standings = estimate.estimates(session, settings)
+        items = [_with_position(j, standings.get(j.id)) if j.state == JobState.QUEUED else j for j in items]
+    return JobList(items=items, next_cursor=next_cursor)
+
+
+def _with_position(public: JobPublic, standing: estimate.Standing | None) -> JobPublic:
+    if standing is None:
+        return public  # waiting on its dependencies, or queued since the last estimate: no place yet
+    return public.model_copy(update={
+        "position": Position(queue=standing.queue_position, overall=standing.position),
+        "estimated_start": standing.start,
+    })  # fmt: skip
 
 
 @router.get("/{job_id}", response_model=JobPublic)
@@ -152,12 +172,7 @@ def get_job(job_id: JobId, session: SessionDep, settings: SettingsDep, caller: C
     job = jobs.get(session, job_id, caller=caller)
     public = _with_dependencies(to_public(job, session), job, session)
     if job.state == JobState.QUEUED:
-        standing = estimate.estimates(session, settings, job_id=job.id).get(job.id)
-        if standing is not None:
-            public = public.model_copy(update={
-                "position": Position(queue=standing.queue_position, overall=standing.position),
-                "estimated_start": standing.start,
-            })  # fmt: skip
+        public = _with_position(public, estimate.estimates(session, settings, job_id=job.id).get(job.id))
     return public
 
 
