@@ -27,6 +27,7 @@ from api.routes import jobs as jobs_routes
 from api.routes import notifications as notifications_routes
 from api.routes import queues as queues_routes
 from api.routes import sweeps as sweeps_routes
+from api.routes import ui as ui_routes
 from api.routes import usage as usage_routes
 from api.schemas import ReadyBody
 from api.streams import RETRY_AFTER_SECONDS, is_database_outage
@@ -186,4 +187,5 @@ def create_app(
     app.include_router(code_routes.router)
     app.include_router(metrics.router)
     app.include_router(internal_routes.router)
+    ui_routes.install(app)
     return app
