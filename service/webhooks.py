@@ -9,7 +9,10 @@ Each try resolves the URL's host, refuses it if any address it resolves to is no
 `webhook_allow_private`), and connects to the address it checked (the URL's host stays in the Host header and in
 TLS's SNI and certificate check), so a name that changes its answer between check and connect gets nowhere. No
 redirect is followed; anything but a 2xx is a failed try. A slow receiver holds at most `PER_URL_IN_FLIGHT` of the
-pool's threads, each for at most the timeout, so it cannot hold up other targets' deliveries.
+pool's threads, each for at most the timeout; and the `notify` targets of one owner's jobs (URLs that are theirs to
+choose: a thousand slow receivers of one tenant) hold at most `owner_in_flight` of them, about half the pool, so they
+cannot hold up other owners' deliveries nor the cluster's own targets. Each pass reads at most `PER_URL_IN_FLIGHT`
+due rows per URL, so no backlog to one URL hides the rows behind it.
 """
 
 from __future__ import annotations
@@ -26,19 +29,26 @@ from datetime import timedelta
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
-from sqlalchemy import update
+from sqlalchemy import func, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from service import notify
 from service.db import session_scope
-from service.models import utcnow
+from service.models import Job, utcnow
 from service.notify_models import DELIVERED, FAILED, PENDING, Notification
 from service.settings import Settings
 from service.webhook_rules import EVENT_ID_HEADER, SIGNATURE_HEADER, RetryPolicy, address_problem, after_attempt, sign
 
 log = logging.getLogger(__name__)
 PER_URL_IN_FLIGHT = 2
+
+
+def owner_in_flight(concurrency: int) -> int:
+    """How many of the pool's sends one owner's own targets may hold: half the pool, and more than one URL's share."""
+    return max(PER_URL_IN_FLIGHT + 1, concurrency // 2)
+
+
 USER_AGENT = "shunter-webhooks/1"
 
 
@@ -110,7 +120,7 @@ class Sender:
         # A claim outlives the longest a try may take (resolve, connect, write, read) with room to spare.
         self.claim_seconds = 4 * settings.webhook_timeout_seconds + 5
         self._pool = ThreadPoolExecutor(max_workers=settings.webhook_concurrency, thread_name_prefix="webhook")
-        self._in_flight: dict[int, tuple[str, Future[None]]] = {}
+        self._in_flight: dict[int, tuple[str, str, Future[None]]] = {}  # row id -> (url, owner, its send)
         self._client = httpx.Client(timeout=settings.webhook_timeout_seconds, follow_redirects=False, trust_env=False,
                                     headers={"User-Agent": USER_AGENT})  # fmt: skip
 
@@ -128,38 +138,57 @@ class Sender:
 
     def pass_once(self) -> int:
         """Claim what is due and free to send, and hand it to the pool; returns how many were claimed."""
-        self._in_flight = {i: (u, f) for i, (u, f) in self._in_flight.items() if not f.done()}
+        self._in_flight = {i: (u, o, f) for i, (u, o, f) in self._in_flight.items() if not f.done()}
         free = self.settings.webhook_concurrency - len(self._in_flight)
         if free <= 0:
             return 0
         claimed = self.claim(limit=free)
-        for row in claimed:
+        for row, owner in claimed:
             assert row.id is not None
-            self._in_flight[row.id] = (row.url, self._pool.submit(self.deliver, row))
+            self._in_flight[row.id] = (row.url, owner, self._pool.submit(self.deliver, row))
         return len(claimed)
 
-    def claim(self, *, limit: int) -> list[Notification]:
-        """Due pending rows, at most `PER_URL_IN_FLIGHT` per URL counting those in flight, claimed for this sender."""
+    def claim(self, *, limit: int) -> list[tuple[Notification, str]]:
+        """Due pending rows, with their job's owner, at most `PER_URL_IN_FLIGHT` per URL and (for the jobs' own targets)
+        `owner_in_flight` per owner, counting those in flight, claimed for this sender."""
         now = utcnow()
         per_url: dict[str, int] = {}
-        for url, _ in self._in_flight.values():
+        per_owner: dict[str, int] = {}
+        for url, owner, _ in self._in_flight.values():
             per_url[url] = per_url.get(url, 0) + 1
+            per_owner[owner] = per_owner.get(owner, 0) + 1
+        owner_cap = owner_in_flight(self.settings.webhook_concurrency)
         due = (Notification.state == PENDING, col(Notification.next_at) <= now)
         with session_scope(self.engine, write=False) as session:  # most passes find nothing: no write lock for that
             if session.exec(select(Notification.id).where(*due).limit(1)).first() is None:
                 return []
         with session_scope(self.engine) as session:
-            query = (
-                select(Notification)
+            # Each URL's first due rows only (a window, so a backlog to one URL never fills the read), then those rows
+            # locked (PostgreSQL allows no FOR UPDATE beside a window function). An owner's own targets are "job:<i>";
+            # the cluster's ("cluster:<i>") count against no owner.
+            order = (col(Notification.next_at), col(Notification.id))
+            ranked = (
+                select(
+                    col(Notification.id).label("id"),
+                    col(Job.owner).label("owner"),
+                    func.row_number().over(partition_by=col(Notification.url), order_by=order).label("n"),
+                )  # fmt: skip
+                .join(Job, col(Job.id) == col(Notification.job_id))
                 .where(*due)
-                .order_by(col(Notification.next_at), col(Notification.id))
-                .limit(limit * 4)
+                .subquery()
             )
+            firsts = select(ranked.c.id, ranked.c.owner).where(ranked.c.n <= PER_URL_IN_FLIGHT)
+            owner_of = dict(session.execute(firsts).tuples().all())
+            if not owner_of:
+                return []
+            query = select(Notification).where(col(Notification.id).in_(list(owner_of)), *due).order_by(*order)
             if session.get_bind().dialect.name == "postgresql":
                 query = query.with_for_update(skip_locked=True)
-            chosen: list[Notification] = []
+            chosen: list[tuple[Notification, str]] = []
             for row in session.exec(query).all():
-                if len(chosen) >= limit or per_url.get(row.url, 0) >= PER_URL_IN_FLIGHT:
+                owner = owner_of[row.id] if row.target.startswith("job:") else ""  # "": the cluster's own
+                if (len(chosen) >= limit or per_url.get(row.url, 0) >= PER_URL_IN_FLIGHT
+                        or (owner and per_owner.get(owner, 0) >= owner_cap)):  # fmt: skip
                     continue
                 token = uuid.uuid4().hex
                 result = session.execute(
@@ -173,8 +202,9 @@ class Sender:
                 if result.rowcount == 1:  # type: ignore[attr-defined]
                     row.claim_token = token
                     per_url[row.url] = per_url.get(row.url, 0) + 1
-                    chosen.append(row)
-            for row in chosen:
+                    per_owner[owner] = per_owner.get(owner, 0) + 1
+                    chosen.append((row, owner))
+            for row, _ in chosen:
                 session.expunge(row)
         return chosen
 

@@ -41,7 +41,7 @@ from service.webhook_rules import (
     sign,
     verify,
 )
-from service.webhooks import Sender, pinned_address
+from service.webhooks import Sender, owner_in_flight, pinned_address
 from tests.conftest import wait_for
 from tests.service.webhook_receiver import running_receiver
 
@@ -205,9 +205,11 @@ def conf(tmp_path: Path, **kw: Any) -> Settings:
     return Settings(data_dir=tmp_path, storage_uri=str(tmp_path / "ckpt"), **kw)
 
 
-def submitted(session: Session, settings: Settings | None, notify_entries: list[dict[str, Any]]) -> Job:
+def submitted(
+    session: Session, settings: Settings | None, notify_entries: list[dict[str, Any]], owner: str = "anonymous"
+) -> Job:
     spec = JobSpec.model_validate({**BASE, "notify": notify_entries})
-    job, _ = submit(session, spec, caller=Caller(), settings=settings)
+    job, _ = submit(session, spec, caller=Caller(owner=owner), settings=settings)
     session.commit()
     session.refresh(job)  # readable after its session has closed
     return job
@@ -451,6 +453,37 @@ def test_a_hanging_receiver_does_not_hold_up_another(db: Engine, tmp_path: Path)
     assert len(arrivals) == 4 and arrivals[2] - arrivals[0] > 1.8 and arrivals[3] - arrivals[1] > 1.8, arrivals
 
 
+def test_one_owners_many_slow_receivers_do_not_hold_up_another_owner(db: Engine, tmp_path: Path) -> None:
+    """A tenant chooses its URLs: six jobs of mallory's, each with a receiver of its own (distinct URLs, so the
+    per-URL limit never bites) that hangs past the timeout, submitted first. They hold at most three of the pool's
+    four threads (`owner_in_flight`), so alice's delivery, due after all of them, goes out at once."""
+
+    def hang(path: str, n: int) -> tuple[int, dict[str, str]] | None:
+        time.sleep(3)
+        return 204, {}
+
+    with (
+        running_receiver(respond=hang) as slow,
+        running_receiver() as quick,
+        Session(db, expire_on_commit=False) as session,
+    ):
+        settings = fast(tmp_path, webhook_timeout_seconds=2, webhook_max_attempts=1, webhook_concurrency=4)
+        hung = [submitted(session, settings, [{"url": slow.url(f"/h{i}"), "events": ["QUEUED"], "secret": SECRET}],
+                          owner="mallory") for i in range(6)]  # fmt: skip
+        job = submitted(session, settings, [{"url": quick.url(), "events": ["QUEUED"], "secret": SECRET}],
+                        owner="alice")  # fmt: skip
+        started = time.monotonic()
+        with sending(db, settings):
+            wait_for(lambda: settled(db, job.id, 1), timeout=30, what="alice's delivery", interval=0.05)
+            took = time.monotonic() - started
+            wait_for(lambda: all(settled(db, h.id, 1) for h in hung), timeout=60, what="mallory's to time out")
+    assert took < 1.9, took  # before any of mallory's tries had timed out
+    assert rows(db, job.id)[0].state == "delivered"
+    assert owner_in_flight(4) == 3 and owner_in_flight(8) == 4 and owner_in_flight(1) == 3
+    arrivals = sorted(slow.arrivals)  # three of mallory's at a time: the fourth only once one of them timed out
+    assert len(arrivals) == 6 and arrivals[3] - arrivals[0] > 1.8, arrivals
+
+
 def test_two_senders_never_claim_one_row(db: Engine, tmp_path: Path) -> None:
     with Session(db, expire_on_commit=False) as session:
         settings = fast(tmp_path)
@@ -462,7 +495,7 @@ def test_two_senders_never_claim_one_row(db: Engine, tmp_path: Path) -> None:
 
     def claim(sender: Sender, out: list[int]) -> None:
         for _ in range(5):
-            out.extend(r.id for r in sender.claim(limit=3))  # type: ignore[misc]
+            out.extend(r.id for r, _ in sender.claim(limit=3))  # type: ignore[misc]
 
     threads = [threading.Thread(target=claim, args=(s, o)) for s, o in ((one, got[0]), (two, got[1]))]
     for t in threads:
