@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench clean screenshots
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -25,6 +25,10 @@ test: install
 	$(PY) -m pytest -m "not slow" -n 2 $(PYTEST_ARGS) || rc=$$?; \
 	$(PY) -m pytest -m slow $(PYTEST_ARGS) || rc=$$?; \
 	exit $$rc
+
+# The README's pictures of the web page (docs/ui-*.png), from a real API and Debian's Chromium (apt-get install chromium).
+screenshots: install
+	$(PY) -m tests.ui.screenshots docs
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

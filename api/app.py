@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -68,8 +68,10 @@ def create_app(
     run_dispatcher: bool = False,
     manage_local_ray: bool = False,
     dispatcher_id: str | None = None,
+    on_ready: Callable[[Runtime], None] | None = None,
 ) -> FastAPI:
-    """The API; with `run_dispatcher` the same process also runs the dispatcher loop (`shunter serve`)."""
+    """The API; with `run_dispatcher` the same process also runs the dispatcher loop (`shunter serve`). `on_ready`
+    is called once the runtime is open (e.g. to print where the API, the web page and the Ray dashboard are)."""
     settings = settings or (runtime.settings if runtime else Settings())
 
     @asynccontextmanager
@@ -79,6 +81,8 @@ def create_app(
         collector = metrics.attach(registry, rt)
         if run_dispatcher:
             rt.start_dispatcher(owner=dispatcher_id or settings.resolved_dispatcher_id())
+        if on_ready is not None:
+            on_ready(rt)
         try:
             yield
         finally:

@@ -14,6 +14,9 @@ import typer
 from api.console import console, err
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from service.runtime import Runtime
     from service.settings import Settings
 
 app = typer.Typer(help="Run the service.", no_args_is_help=True, add_completion=False)
@@ -28,6 +31,20 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def where(settings: Settings, dashboard_url: str | None) -> str:
+    """The line a server prints once it is up: the API, its web page, and the Ray dashboard."""
+    host = settings.host if ":" not in settings.host else f"[{settings.host}]"
+    api = f"http://{host}:{settings.port}"
+    return f"shunter: API {api}  web page {api}/ui  Ray dashboard {dashboard_url or 'unknown'}"
+
+
+def _announce(settings: Settings) -> Callable[[Runtime], None]:
+    def announce(runtime: Runtime) -> None:
+        print(where(settings, getattr(runtime.ray, "dashboard_url", None)), flush=True)
+
+    return announce
 
 
 def _logging() -> None:
@@ -51,6 +68,7 @@ def serve(
         run_dispatcher=True,
         manage_local_ray=True,
         dispatcher_id=settings.resolved_dispatcher_id(stable=True),
+        on_ready=_announce(settings),
     )
     uvicorn.run(application, host=settings.host, port=settings.port, log_level="info")
 
@@ -67,7 +85,8 @@ def api_server(
     from api.app import create_app
 
     settings = _http_settings(host, port, insecure)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    application = create_app(settings, on_ready=_announce(settings))
+    uvicorn.run(application, host=settings.host, port=settings.port, log_level="info")
 
 
 @app.command()

@@ -27,7 +27,7 @@ for _ in $(seq 1 120); do
 done
 curl -sf "$URL/readyz" >/dev/null || { echo; echo "service not ready after 120 s"; tail -30 "$LOG"; exit 1; }
 DASHBOARD=$("$BIN/python" -c 'import json; print(json.load(open("shunter-data/ray-head.json"))["dashboard_url"])' 2>/dev/null || echo "$SHUNTER_RAY_DASHBOARD_URL")
-echo " ready: API $URL, Ray dashboard $DASHBOARD"
+echo " ready: API $URL, web page $URL/ui, Ray dashboard $DASHBOARD"
 
 echo "submitting examples/mlp-ddp.yaml over REST ..."
 "$BIN/shunter" submit examples/mlp-ddp.yaml --server "$URL" --watch

@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, FastAPI, Path as PathParam
+from fastapi import APIRouter, FastAPI
+from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, RedirectResponse
 from starlette.staticfiles import StaticFiles
 from starlette.types import Scope

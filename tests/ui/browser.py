@@ -17,8 +17,9 @@ CHROMIUM = os.environ.get("SHUNTER_CHROMIUM", "/usr/bin/chromium")
 # Without the background-networking flags Chromium dials out at start (updates, sync, QUIC probes); on a cluster
 # node or CI box with no internet those connections are refused and slow every launch.
 ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--disable-default-apps", "--disable-extensions",
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-default-apps",
+    "--disable-extensions",
 ]  # fmt: skip
 VIEWPORT = {"width": 1280, "height": 800}
 

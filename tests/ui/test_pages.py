@@ -21,6 +21,7 @@ from tests.live_api import live_api
 from tests.ui import data
 from tests.ui.browser import STATE_RECORDER, Watched, watch
 
+UNSAFE_JS = re.compile(r"\.(inner|outer)HTML\b|insertAdjacentHTML|document\.write|\beval\(|new Function")
 TOKENS = {"tok-alice": {"owner": "alice"}, "tok-bob": {"owner": "bob"}}
 CSP_REQUIRED = ("script-src 'self'", "style-src 'self'", "connect-src 'self'", "img-src 'self' data:",
                 "frame-ancestors 'none'", "base-uri 'none'", "object-src 'none'")  # fmt: skip
@@ -66,7 +67,7 @@ def test_every_ui_answer_has_the_csp_and_the_page_has_no_inline_script(sqlite_db
         assert not re.search(r"\son[a-z]+=", text), f"inline handler in {html.name}"
     for script in STATIC.glob("*.js"):
         code = script.read_text()
-        assert not re.search(r"\.(inner|outer)HTML\b|insertAdjacentHTML|document\.write|\beval\(|new Function", code), script.name
+        assert not UNSAFE_JS.search(code), f"{script.name}: {UNSAFE_JS.search(code)}"
 
 
 def test_queue_with_tokens_live_updates_cancel_and_another_owner(
@@ -116,9 +117,10 @@ def test_queue_with_tokens_live_updates_cancel_and_another_owner(
         w.page.click(cancel)
         expect_state(w, first["id"], "CANCELLED")
         w.page.wait_for_selector(f'tr[data-job-id="{first["id"]}"] button[data-action="retry"]')
-        assert httpx.get(f"{api.url}/v1/jobs/{first['id']}", headers={"Authorization": "Bearer tok-alice"}).json()[
-            "state"
-        ] == "CANCELLED"
+        assert (
+            httpx.get(f"{api.url}/v1/jobs/{first['id']}", headers={"Authorization": "Bearer tok-alice"}).json()["state"]
+            == "CANCELLED"
+        )
         assert w.page.evaluate("window.__seen")[first["id"]] == ["QUEUED", "CANCELLED"]
         assert w.most_streams == 1 and len(w.streams_started()) == 1  # one stream for the whole page's life
         assert w.csp_violations() == [] and w.errors == []
@@ -177,7 +179,8 @@ def test_job_view_charts_each_attempt_and_shows_checkpoints(sqlite_db: Engine, t
         assert steps == list(range(1, 18))
         assert [v for v in first if v is not None] == pytest.approx([1.0 / s for s in range(1, 13)])
         assert [v for v in second if v is not None] == pytest.approx([0.5 / s for s in range(10, 18)])
-        assert w.page.evaluate("window.shunterCharts.loss.series.map(s => s.label)") == ["step", "attempt 1", "attempt 2"]
+        labels = w.page.evaluate("window.shunterCharts.loss.series.map(s => s.label)")
+        assert labels == ["step", "attempt 1", "attempt 2"]
         assert drawn(w, "loss")
         assert set(w.page.evaluate("Object.keys(window.shunterCharts)")) == {"loss", "throughput"}
         # Attempts with end reasons and links to Ray; checkpoints with completeness.
@@ -203,6 +206,7 @@ def test_job_view_charts_each_attempt_and_shows_checkpoints(sqlite_db: Engine, t
         w.page.wait_for_function("() => !document.getElementById('live').classList.contains('on')")
         assert w.page.is_hidden("#job-cancel") and w.page.is_hidden("#job-retry")
         assert w.csp_violations() == [] and w.errors == []
+        w.page.screenshot(path=tmp_path / "job.png", full_page=True)
 
 
 def drawn(w: Watched, metric: str) -> bool:
@@ -210,7 +214,8 @@ def drawn(w: Watched, metric: str) -> bool:
     return bool(
         w.page.evaluate(
             """(name) => {
-                const c = window.shunterCharts[name].ctx.canvas, d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                const c = window.shunterCharts[name].ctx.canvas;
+                const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
                 let blue = 0;
                 for (let i = 0; i < d.length; i += 4) if (d[i] < 80 && d[i + 1] < 120 && d[i + 2] > 150) blue++;
                 return blue > 50;
@@ -267,7 +272,7 @@ def test_cluster_view(sqlite_db: Engine, tmp_path: Path, context: Any) -> None:
         assert sorted(data.admit(sqlite_db, api.settings)) == sorted([mine["id"], theirs["id"]])
         w = watch(context)
         login(w, f"{api.url}/ui/cluster", "tok-alice")
-        w.page.wait_for_selector('tr[data-node]')
+        w.page.wait_for_selector("tr[data-node]")
         assert w.page.eval_on_selector_all("#node-rows tr", "n => n.length") == 2
         assert "1 / 4" in (w.page.text_content(f'tr[data-node="{data.NODES[0][0]}"]') or "")
         assert "8 / 16" in (w.page.text_content(f'tr[data-node="{data.NODES[0][0]}"]') or "")  # GiB
@@ -277,3 +282,16 @@ def test_cluster_view(sqlite_db: Engine, tmp_path: Path, context: Any) -> None:
         assert w.page.get_attribute("#dashboard", "href") == "http://127.0.0.1:8265/"
         assert "default" in (w.page.text_content("#queue-rows") or "")
         assert w.most_streams == 0 and w.csp_violations() == [] and w.errors == []
+
+
+def test_the_started_line_names_the_page() -> None:
+    """`shunter serve` / `shunter api` print this once up (the slow test reads it from a real `shunter serve`)."""
+    from api.launchers import where
+    from service.settings import Settings
+
+    line = where(Settings(host="127.0.0.1", port=8080), "http://127.0.0.1:8265")
+    assert (
+        line
+        == "shunter: API http://127.0.0.1:8080  web page http://127.0.0.1:8080/ui  Ray dashboard http://127.0.0.1:8265"
+    )
+    assert "http://[::1]:9000/ui" in where(Settings(host="::1", port=9000), None)

@@ -302,6 +302,7 @@ const shunter = (() => {
     $("forget-token").addEventListener("click", forgetToken);
     $("forget-token").hidden = !token();
     const here = document.body.dataset.view === "cluster" ? "nav-cluster" : "nav-queue";
+    $("live").hidden = document.body.dataset.view === "cluster"; // read by polling: no stream there
     $(here).classList.add("here");
   });
 

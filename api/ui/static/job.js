@@ -8,6 +8,7 @@
   const POLL_MS = 2000;
   const MAX_LOG_CHARS = 1 << 20;
   const MAX_CHARTS = 12;
+  const ANSI = /\x1b\[[0-9;?]*[A-Za-z]/g;
   const COLORS = ["#2458c6", "#d9480f", "#2b8a3e", "#862e9c", "#c92a2a", "#1098ad", "#5c940d", "#e67700"];
   const jobId = decodeURIComponent(location.pathname.split("/").filter(Boolean).pop() || "");
   const base = `/v1/jobs/${encodeURIComponent(jobId)}`;
@@ -195,9 +196,10 @@
       S.fill(S.$("log-attempt"), `attempt ${job.attempt}`);
     }
     const query = log.offset === null ? "tail=1000" : `offset=${log.offset}`;
+    const first = log.offset === null;
     try {
       const res = await S.api(`${base}/logs?attempt=${log.attempt}&${query}`);
-      const text = await res.text();
+      const text = (await res.text()).replace(ANSI, ""); // Ray's colour codes
       const next = Number(res.headers.get("X-Next-Offset"));
       if (Number.isFinite(next)) log.offset = next;
       if (text) {
@@ -206,7 +208,7 @@
         let all = pre.textContent + text;
         if (all.length > MAX_LOG_CHARS) all = all.slice(all.length - MAX_LOG_CHARS);
         pre.textContent = all;
-        if (atBottom) pre.scrollTop = pre.scrollHeight;
+        if (atBottom || first) pre.scrollTop = pre.scrollHeight;
       }
     } catch (exc) {
       if (exc.status === 401) throw exc; // the log of a running attempt is with Ray: a 503 just waits for the next poll
@@ -298,6 +300,7 @@
     S.fill(S.$("event-rows"), events.map(eventRow));
     lastEvent = events.length ? events[events.length - 1].id : 0;
     S.showMain();
+    S.$("logs").scrollTop = S.$("logs").scrollHeight;
     followEvents();
     schedule();
   }
