@@ -1,7 +1,12 @@
 """One command for every benchmark: `python -m bench.run [--quick] [--only NAME]`.
 
 Parts: orchestration, submission, claims, depth, admission. Results: bench/results/latest.json (+ latest.png when
-matplotlib is installed) and a table of ratios measured side by side in this run.
+matplotlib is installed: the dev extra has it) and a table of ratios measured side by side in this run.
+
+Honest runs: the load average is recorded before each part, and a part is not run (it is reported as refused) while
+the 1-minute load average stays above the number of cores for `--wait-for-quiet` seconds: figures taken on a busy
+machine disagree with a quiet run's by more than the differences they are meant to show. `--allow-load` runs anyway
+(and says so in the results).
 """
 
 from __future__ import annotations
@@ -37,6 +42,20 @@ def machine() -> dict[str, Any]:
     }
 
 
+def quiet(wait_s: float) -> tuple[bool, float]:
+    """Whether the 1-minute load average is at most the core count, waiting up to `wait_s` for it; and the load."""
+    cpus = os.cpu_count() or 1
+    deadline = time.monotonic() + wait_s
+    while True:
+        load = os.getloadavg()[0]
+        if load <= cpus:
+            return True, load
+        if time.monotonic() >= deadline:
+            return False, load
+        log(f"load average {load:.2f} is above {cpus} cores: waiting for a quiet machine")
+        time.sleep(min(10.0, max(0.0, deadline - time.monotonic())))
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, bool):
         return "MET" if value else "not met"
@@ -48,7 +67,12 @@ def _fmt(value: Any) -> str:
 def table(results: dict[str, Any]) -> str:
     lines = []
     for part, res in results["parts"].items():
-        lines.append(f"\n== {part} ({res.get('seconds', 0):.0f}s) ==")
+        load = res.get("load_avg_before")
+        said_load = f", load {load:.2f} before" if load is not None else ""
+        lines.append(f"\n== {part} ({res.get('seconds', 0):.0f}s{said_load}) ==")
+        if "refused" in res:
+            lines.append(f"  REFUSED: {res['refused']}")
+            continue
         if "error" in res:
             lines.append(f"  ERROR: {res['error']}")
             continue
@@ -138,6 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller sizes: each part in about 2 minutes or less")
     parser.add_argument("--only", action="append", choices=PARTS, help="run only this part (repeatable)")
     parser.add_argument("--out", type=Path, default=RESULTS / "latest.json")
+    parser.add_argument(
+        "--wait-for-quiet",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="before each part, wait up to S seconds for the load average to drop to the core count",
+    )
+    parser.add_argument("--allow-load", action="store_true", help="run and report parts even on a busy machine")
     args = parser.parse_args(argv)
     os.chdir(common.ROOT)  # Ray's processes get the checkout on PYTHONPATH from here
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -146,13 +178,21 @@ def main(argv: list[str] | None = None) -> int:
         "mode": "quick" if args.quick else "full",
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine(),
+        "allow_load": args.allow_load,
         "parts": {},
     }
     started = time.monotonic()
     try:
         for name in parts:
             log(f"== {name} ==")
+            ok, load = quiet(0.0 if args.allow_load else args.wait_for_quiet)
             t0 = time.monotonic()
+            if not ok and not args.allow_load:
+                cores = os.cpu_count()
+                refused = f"load average {load:.2f} above {cores} cores after {args.wait_for_quiet:.0f} s: not run"
+                results["parts"][name] = {"refused": refused, "load_avg_before": load, "seconds": 0.0}
+                log(refused)
+                continue
             module = __import__(f"bench.{name}", fromlist=["run"])
             try:
                 res = module.run(args.quick)
@@ -162,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 common.stop_all()
             res["seconds"] = time.monotonic() - t0
+            res["load_avg_before"] = load
             results["parts"][name] = res
     finally:
         common.stop_all()
@@ -174,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     plotted = plot(results, png)
     print(table(results))
     log(f"wrote {args.out}" + (f" and {png}" if plotted else " (no matplotlib: no plot)"))
-    return 1 if any("error" in r for r in results["parts"].values()) else 0
+    return 1 if any("error" in r or "refused" in r for r in results["parts"].values()) else 0
 
 
 if __name__ == "__main__":
