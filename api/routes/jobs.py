@@ -116,7 +116,15 @@ def submit_job(
     return _with_dependencies(to_public(job, session), job, session)
 
 
-@router.get("", response_model=JobList)
+_EVENTS_AFTER = {
+    "X-Events-After": {
+        "description": "the newest event id when the listing was read: follow /v1/events?after=<it> to miss no change",
+        "schema": {"type": "string", "pattern": "^[0-9]+$"},
+    }
+}
+
+
+@router.get("", response_model=JobList, responses={200: {"description": "a page of jobs", "headers": _EVENTS_AFTER}})
 def list_jobs(
     session: SessionDep,
     caller: CallerDep,

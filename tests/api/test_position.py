@@ -36,8 +36,12 @@ def test_position_and_estimate_follow_fair_share(app_client) -> None:
     waits = [(datetime.fromisoformat(s) - now).total_seconds() for s in starts]
     for wait, expected in zip(waits, [0, 1200, 1800, 600], strict=True):
         assert abs(wait - expected) < 30, waits
-    # A running job's list entry carries no position: only queued jobs stand anywhere.
-    assert alice.get("/v1/jobs").json()["items"][0]["position"] is None
+    # The listing gives each queued job the same place (the web page's queue view reads it there), and a job that
+    # has left the queue none: only queued jobs stand anywhere.
+    listed = {j["id"]: j["position"] for j in alice.get("/v1/jobs").json()["items"]}
+    assert listed == {job: v["position"] for job, v in zip(ids[:3], views[:3], strict=True)}
+    assert alice.post(f"/v1/jobs/{ids[0]}/cancel").status_code == 202
+    assert next(j for j in alice.get("/v1/jobs").json()["items"] if j["id"] == ids[0])["position"] is None
 
 
 def test_a_job_behind_one_without_a_timeout_has_no_estimate(app_client) -> None:
