@@ -20,11 +20,13 @@ cohorts, backfill and preemption, run from now on over what this module reads:
 
 from __future__ import annotations
 
+import logging
 import statistics
 import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 from sqlalchemy import func
 from sqlmodel import Session, col, select
@@ -34,6 +36,8 @@ from service.admission import candidate
 from service.models import ACTIVE_STATES, Attempt, ClusterSnapshot, EndReason, Job, JobState, utcnow
 from service.settings import Settings
 from service.spec import JobSpec
+
+log = logging.getLogger(__name__)
 
 # Waiting jobs replayed for an estimate, in admission order; the ones behind get position only (Slurm's backfill
 # looks as deep by default: bf_max_job_test=500). A replay of 500 on 4 nodes takes about 0.3 s.
@@ -111,6 +115,41 @@ def estimates(
         return result
     finally:
         lock.release()
+
+
+INLINE_SECONDS = 0.25  # a listing computes the estimate itself only when it last took less than this
+INLINE_QUEUED = 1000  # ... or, before any estimate, when at most this many jobs are queued
+
+
+def estimates_nowait(session: Session, settings: Settings) -> dict[str, Standing]:
+    """`estimates` for a listing, which must not pay for the whole queue's forecast (seconds at a depth of tens of
+    thousands): computed here only while that is cheap (it last took under INLINE_SECONDS, or nothing was computed
+    yet and the queue is short); otherwise the last answer, whatever its age, while a thread of its own (one at a
+    time per database) computes the next one. Before the first answer of a deep queue, nobody has a place."""
+    key = str(settings.database_url)
+    hit = _cache.get(key)
+    if hit is not None and hit.cost < INLINE_SECONDS:
+        return estimates(session, settings)
+    if hit is None:
+        queued = session.exec(select(func.count()).select_from(Job).where(Job.state == JobState.QUEUED)).one()
+        if queued <= INLINE_QUEUED:
+            return estimates(session, settings)
+    stale = hit is None or time.monotonic() - hit.at >= max(CACHE_SECONDS, COST_FACTOR * hit.cost)
+    with _locks_guard:
+        busy = _locks.setdefault(key, threading.Lock()).locked()
+    if stale and not busy:
+        bind = session.get_bind()
+        engine = bind.engine if hasattr(bind, "engine") else bind
+        threading.Thread(target=_refresh, args=(engine, settings), name="estimates", daemon=True).start()
+    return hit.result if hit is not None else {}
+
+
+def _refresh(engine: Any, settings: Settings) -> None:
+    try:
+        with Session(engine) as session:
+            estimates(session, settings)
+    except Exception:  # noqa: BLE001 - the next listing tries again; a listing never fails for an estimate
+        log.exception("estimating the queue failed")
 
 
 _specs: dict[tuple[str, str], JobSpec | None] = {}

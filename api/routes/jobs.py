@@ -135,6 +135,7 @@ def list_jobs(
     name: Annotated[str | None, Query(max_length=128)] = None,
     owner: Annotated[str | None, Query(max_length=128, description="admins: only this owner's jobs")] = None,
     sweep: Annotated[str | None, Query(max_length=32, description="only this sweep's members")] = None,
+    positions: Annotated[bool, Query(description="give each queued job its position (the web page asks)")] = False,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(max_length=512)] = None,
 ) -> JobList:
@@ -159,8 +160,8 @@ def list_jobs(
     page = rows[:limit]
     next_cursor = _encode_cursor(page[-1]) if len(rows) > limit else None
     items = [to_public(j, session) for j in page]
-    if any(j.state == JobState.QUEUED for j in items):
-        standings = estimate.estimates(session, settings)
+    if positions and any(j.state == JobState.QUEUED for j in items):
+        standings = estimate.estimates_nowait(session, settings)  # never the whole forecast inline
         items = [_with_position(j, standings.get(j.id)) if j.state == JobState.QUEUED else j for j in items]
     return JobList(items=items, next_cursor=next_cursor)
 

@@ -38,10 +38,13 @@ def test_position_and_estimate_follow_fair_share(app_client) -> None:
         assert abs(wait - expected) < 30, waits
     # The listing gives each queued job the same place (the web page's queue view reads it there), and a job that
     # has left the queue none: only queued jobs stand anywhere.
-    listed = {j["id"]: j["position"] for j in alice.get("/v1/jobs").json()["items"]}
+    listed = {j["id"]: j["position"] for j in alice.get("/v1/jobs?positions=true").json()["items"]}
     assert listed == {job: v["position"] for job, v in zip(ids[:3], views[:3], strict=True)}
+    # Asked for only: a plain listing never pays for the whole queue's forecast.
+    assert {j["position"] for j in alice.get("/v1/jobs").json()["items"]} == {None}
     assert alice.post(f"/v1/jobs/{ids[0]}/cancel").status_code == 202
-    assert next(j for j in alice.get("/v1/jobs").json()["items"] if j["id"] == ids[0])["position"] is None
+    after = alice.get("/v1/jobs?positions=true").json()["items"]
+    assert next(j for j in after if j["id"] == ids[0])["position"] is None
 
 
 def test_a_job_behind_one_without_a_timeout_has_no_estimate(app_client) -> None:

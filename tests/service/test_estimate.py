@@ -250,3 +250,37 @@ def test_an_owner_who_floods_submissions_costs_no_more_events_than_any_other() -
     usage = Usage(teams={"~flood": 1e6}, owners={"flood": 1e6})
     starts = forecast([waiter("a", 2, 10)], [runner("r", 2, 50)], one_node(2), 0.0, usage=usage, arrivals=flood)
     assert starts == {"a": 50}
+
+
+def test_a_listing_never_waits_for_a_deep_queues_estimate(db: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`estimates_nowait` (GET /v1/jobs?positions=true): with no answer yet and a queue deeper than INLINE_QUEUED it
+    answers at once with no places and computes in a thread of its own; the next listing has them. Once an answer
+    was cheap (under INLINE_SECONDS), a listing computes its own, fresh one."""
+    from service.models import ClusterSnapshot
+    from service.settings import Settings
+    from tests.conftest import wait_for
+
+    with Session(db) as session:
+        session.merge(ClusterSnapshot(id=1, total={"CPU": 1.0}, available={"CPU": 1.0},
+                                      nodes=[{"node_id": "n", "alive": True, "total": {"CPU": 1.0}}]))  # fmt: skip
+        for i in range(3):
+            _job(session, f"q{i}", "alice", created=NOW + timedelta(seconds=i), state=JobState.QUEUED)
+        session.commit()
+    settings = Settings(database_url=f"{db.url.render_as_string(hide_password=False)}#nowait")
+    monkeypatch.setattr(estimate, "INLINE_QUEUED", 2)  # three queued: "deep"
+    monkeypatch.setattr(estimate, "INLINE_SECONDS", 0.0)  # no answer is cheap enough to compute inline
+    estimate._cache.pop(str(settings.database_url), None)
+    with Session(db) as session:
+        assert estimate.estimates_nowait(session, settings) == {}
+    placed = wait_for(lambda: estimate._cache.get(str(settings.database_url)), timeout=30, what="the thread's answer")
+    with Session(db) as session:
+        got = estimate.estimates_nowait(session, settings)
+    assert got is placed.result and sorted(got) == ["q0", "q1", "q2"]  # type: ignore[attr-defined]
+    assert [got[f"q{i}"].position for i in range(3)] == [1, 2, 3]
+    monkeypatch.setattr(estimate, "INLINE_SECONDS", 1e9)  # every answer is cheap now: computed inline, if stale
+    with Session(db) as session:
+        session.add(Job(id="q3", name="q3", owner="alice", spec={"entrypoint": {"callable": "examples.mlp:train_loop"}},
+                        state=JobState.QUEUED, created_at=NOW + timedelta(seconds=9)))  # fmt: skip
+        session.commit()
+        estimate._cache[str(settings.database_url)].at -= 3600  # stale
+        assert sorted(estimate.estimates_nowait(session, settings)) == ["q0", "q1", "q2", "q3"]

@@ -84,14 +84,15 @@ def test_queue_with_tokens_live_updates_cancel_and_another_owner(
         w.page.wait_for_function("() => document.getElementById('live').classList.contains('on')")
 
         # The list came from one plain GET, answered before the page's one stream began.
-        assert [e for e in w.order if e.startswith("start ")][0] == f"start {api.url}/v1/jobs?limit=500"
-        listed = w.order.index(f"end {api.url}/v1/jobs?limit=500")
+        assert [e for e in w.order if e.startswith("start ")][0] == f"start {api.url}/v1/jobs?limit=500&positions=true"
+        listed = w.order.index(f"end {api.url}/v1/jobs?limit=500&positions=true")
         streamed = w.order.index(next(e for e in w.order if "follow=true" in e))
         assert listed < streamed
         assert [u for u in w.streams_started()] == [f"{api.url}/v1/events?follow=true&after=2"]
         # The token is a header, never a URL; kept in this tab's sessionStorage only.
         api_requests = [(url, h.get("authorization")) for url, h in w.requests if "/v1/" in url]
-        assert api_requests[0] == (f"{api.url}/v1/jobs?limit=500", None)  # before the token: 401, the form
+        # before the token: 401, the form
+        assert api_requests[0] == (f"{api.url}/v1/jobs?limit=500&positions=true", None)
         assert {auth for _, auth in api_requests[1:]} == {"Bearer tok-alice"}
         assert not any("tok-alice" in url for url, _ in w.requests)
         assert w.page.evaluate("sessionStorage.getItem('shunter.token')") == "tok-alice"

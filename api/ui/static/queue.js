@@ -4,7 +4,7 @@
 
 (() => {
   const S = shunter;
-  const LIST = "/v1/jobs?limit=500";
+  const LIST = "/v1/jobs?limit=500&positions=true";
   const ORDER = { RUNNING: 0, STARTING: 1, CANCELLING: 2, QUEUED: 3 };
   const jobs = new Map(); // id -> JobPublic
   const rows = new Map(); // id -> [signature, <tr>]
