@@ -37,9 +37,7 @@ def lock_admission(session: Session) -> None:
         session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADMISSION_LOCK_KEY})
 
 
-def queued(
-    session: Session, *, now: datetime, limit: int = 500, where: ColumnElement[bool] | None = None
-) -> list[Job]:
+def queued(session: Session, *, now: datetime, limit: int = 500, where: ColumnElement[bool] | None = None) -> list[Job]:
     """Queued jobs in admission order (priority, then FIFO), past any retry backoff, waiting on no dependency.
 
     On PostgreSQL the rows are locked (`FOR UPDATE SKIP LOCKED`): a cancel in flight keeps its row, and this

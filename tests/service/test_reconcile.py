@@ -279,7 +279,8 @@ STALL_ROWS = [
      [Stop(R.PREEMPTED, "stopped as asked: to make room for another job, or to grow")]),
     ("Ray ended it meanwhile: its end wins", JobFacts(S.RUNNING, step=3, stall=quiet(40, asked=9, ended=5)),
      "FAILED", [Finish(R.INFRA, "FAILED", ray_status="FAILED", keep_logs=True)]),
-    ("stopped by someone else before our stop: infra", JobFacts(S.RUNNING, step=3, stall=quiet(40, asked=9, ended=5)), "STOPPED",
+    ("stopped by someone else before our stop: infra",
+     JobFacts(S.RUNNING, step=3, stall=quiet(40, asked=9, ended=5)), "STOPPED",
      [Finish(R.INFRA, "STOPPED", ray_status="STOPPED", keep_logs=True)]),
 ]  # fmt: skip
 
