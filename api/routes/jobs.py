@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import functools
 import logging
 import time
 from collections.abc import AsyncIterator
-from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, Header, Path, Query, Request, Response, status
@@ -16,6 +14,7 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
+from api import cursors
 from api.deps import CallerDep, RuntimeDep, SessionDep, SettingsDep
 from api.logs import (
     FOLLOW_READ_MAX,
@@ -48,7 +47,7 @@ from api.sse import SSE_RESPONSE, event_stream, pause
 from api.streams import DB_UNAVAILABLE, is_database_outage, open_stream, state_of
 from service import dependencies, estimate, jobs
 from service.backend import submission_id
-from service.errors import InfraError, InvalidSpec, NotFound
+from service.errors import InfraError, NotFound
 from service.host_files import HostFiles
 from service.models import Attempt, ClusterSnapshot, Job, JobState
 from service.runtime import Runtime
@@ -79,18 +78,6 @@ def _with_dependencies(public: JobPublic, job: Job, session: Session) -> JobPubl
         return public
     found = [DependencyPublic.model_validate(d) for d in dependencies.describe(session, job)]
     return public.model_copy(update={"dependencies": found})
-
-
-def _encode_cursor(job: Job) -> str:
-    return base64.urlsafe_b64encode(f"{job.created_at.isoformat()}|{job.id}".encode()).decode()
-
-
-def _decode_cursor(cursor: str) -> tuple[datetime, str]:
-    try:
-        created, _, job_id = base64.urlsafe_b64decode(cursor.encode()).decode().partition("|")
-        return datetime.fromisoformat(created), job_id
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidSpec("cursor: not a cursor this API returned", field="cursor") from exc
 
 
 @router.post(
@@ -143,7 +130,7 @@ def list_jobs(
 
     `X-Events-After` is the newest event id when the listing was read: a client that renders this page and then
     follows `/v1/events?after=<it>` misses no change (an event it also saw in the page only repeats a state)."""
-    before = _decode_cursor(cursor) if cursor else None
+    before = cursors.decode(cursor) if cursor else None
     # Read before the jobs: every event after it comes through the stream, every one up to it is in the rows.
     response.headers["X-Events-After"] = str(jobs.last_event_id(session))
     rows = jobs.list_jobs(
@@ -158,7 +145,7 @@ def list_jobs(
         before=before,
     )
     page = rows[:limit]
-    next_cursor = _encode_cursor(page[-1]) if len(rows) > limit else None
+    next_cursor = cursors.encode(page[-1]) if len(rows) > limit else None
     items = [to_public(j, session) for j in page]
     if positions and any(j.state == JobState.QUEUED for j in items):
         standings = estimate.estimates_nowait(session, settings)  # never the whole forecast inline

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import base64
-from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Path, Query, Response, status
 
+from api import cursors
 from api.deps import CallerDep, SessionDep, SettingsDep
 from api.schemas import ERROR_RESPONSES
 from api.sweep_schemas import SweepCancelled, SweepList, SweepMember, SweepPublic, SweepSummary
 from service import sweeps
-from service.errors import InvalidSpec
 from service.models import EndReason, JobState, Sweep
 from service.sweep_spec import SweepMetric, SweepRequest
 
@@ -55,18 +53,6 @@ def to_public(st: sweeps.Status) -> SweepPublic:
     )  # fmt: skip
 
 
-def _encode_cursor(sweep: Sweep) -> str:
-    return base64.urlsafe_b64encode(f"{sweep.created_at.isoformat()}|{sweep.id}".encode()).decode()
-
-
-def _decode_cursor(cursor: str) -> tuple[datetime, str]:
-    try:
-        created, _, sweep_id = base64.urlsafe_b64decode(cursor.encode()).decode().partition("|")
-        return datetime.fromisoformat(created), sweep_id
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidSpec("cursor: not a cursor this API returned", field="cursor") from exc
-
-
 @router.post(
     "",
     status_code=status.HTTP_201_CREATED,
@@ -99,13 +85,13 @@ def list_sweeps(
     cursor: Annotated[str | None, Query(max_length=512)] = None,
 ) -> SweepList:
     """The caller's sweeps (an admin's: everyone's), newest first, with their members' counts by state."""
-    before = _decode_cursor(cursor) if cursor else None
+    before = cursors.decode(cursor) if cursor else None
     rows = sweeps.list_sweeps(session, caller=caller, owner=owner, limit=limit + 1, before=before)
     page = rows[:limit]
     counted = sweeps.counts(session, [s.id for s in page])
     return SweepList(
         items=[_summary(s, counted.get(s.id, {})) for s in page],
-        next_cursor=_encode_cursor(page[-1]) if len(rows) > limit else None,
+        next_cursor=cursors.encode(page[-1]) if len(rows) > limit else None,
     )
 
 
