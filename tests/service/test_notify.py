@@ -422,16 +422,17 @@ def test_connects_to_the_address_it_checked(monkeypatch: pytest.MonkeyPatch, tmp
     assert rx.requests[0].headers["host"] == f"hooks.rebind.invalid:{rx.port}"
 
 
+def hang_past_the_timeout(path: str, n: int) -> tuple[int, dict[str, str]] | None:
+    time.sleep(3)
+    return 204, {}
+
+
 def test_a_hanging_receiver_does_not_hold_up_another(db: Engine, tmp_path: Path) -> None:
     """A receiver that never answers in time holds at most two of the pool's threads, each for the timeout; another
     job's receiver is served at once."""
 
-    def hang(path: str, n: int) -> tuple[int, dict[str, str]] | None:
-        time.sleep(3)
-        return 204, {}
-
     with (
-        running_receiver(respond=hang) as slow,
+        running_receiver(respond=hang_past_the_timeout) as slow,
         running_receiver() as quick,
         Session(db, expire_on_commit=False) as session,
     ):
@@ -458,12 +459,8 @@ def test_one_owners_many_slow_receivers_do_not_hold_up_another_owner(db: Engine,
     per-URL limit never bites) that hangs past the timeout, submitted first. They hold at most three of the pool's
     four threads (`owner_in_flight`), so alice's delivery, due after all of them, goes out at once."""
 
-    def hang(path: str, n: int) -> tuple[int, dict[str, str]] | None:
-        time.sleep(3)
-        return 204, {}
-
     with (
-        running_receiver(respond=hang) as slow,
+        running_receiver(respond=hang_past_the_timeout) as slow,
         running_receiver() as quick,
         Session(db, expire_on_commit=False) as session,
     ):
