@@ -95,17 +95,34 @@ def post(client: httpx.Client, url: str, body: bytes, headers: dict[str, str], *
     netloc = f"[{address}]" if ":" in address else address
     pinned = urlunsplit((parts.scheme, f"{netloc}:{port}", parts.path or "/", parts.query, ""))
     host_header = parts.netloc.rpartition("@")[2]
+    # Streamed: the receiver's answer is the tenant's to write, so no more than BODY_KEPT bytes of it are read (a
+    # gigabyte answer must not fill the service's memory), and none after BODY_SECONDS (nor one dripped a byte at a
+    # time to hold a sending thread).
     try:
-        response = client.post(pinned, content=body, headers={**headers, "Host": host_header},
-                               extensions={"sni_hostname": host})  # fmt: skip
+        with client.stream("POST", pinned, content=body, headers={**headers, "Host": host_header},
+                           extensions={"sni_hostname": host}) as response:  # fmt: skip
+            if 200 <= response.status_code < 300:
+                return Result(ok=True, status=response.status_code)
+            if response.is_redirect:
+                where = response.headers.get("location", "")[:200]
+                return Result(ok=False, status=response.status_code, error=f"redirect to {where!r} not followed")
+            said = _head_of(response)
     except httpx.HTTPError as exc:
         return Result(ok=False, error=f"{type(exc).__name__}: {exc}"[:500])
-    if 200 <= response.status_code < 300:
-        return Result(ok=True, status=response.status_code)
-    if response.is_redirect:
-        where = response.headers.get("location", "")[:200]
-        return Result(ok=False, status=response.status_code, error=f"redirect to {where!r} not followed")
-    return Result(ok=False, status=response.status_code, error=f"HTTP {response.status_code}: {response.text[:200]}")
+    return Result(ok=False, status=response.status_code, error=f"HTTP {response.status_code}: {said}")
+
+
+BODY_KEPT = 200  # bytes of a refusing receiver's answer kept as the row's last_error
+BODY_SECONDS = 2.0
+
+
+def _head_of(response: httpx.Response) -> str:
+    kept, deadline = b"", time.monotonic() + BODY_SECONDS
+    for chunk in response.iter_raw():  # as it arrives (a chunk size would wait to fill it)
+        kept += chunk
+        if len(kept) >= BODY_KEPT or time.monotonic() > deadline:
+            break
+    return kept[:BODY_KEPT].decode("utf-8", "replace")
 
 
 class Sender:

@@ -567,3 +567,44 @@ def test_an_empty_cluster_secret_in_the_environment_is_unset_not_a_start_up_erro
     monkeypatch.setenv("SHUNTER_WEBHOOK_SECRET", "short")
     with pytest.raises(ValueError, match="webhook_secret"):
         Settings()
+
+
+@pytest.mark.parametrize("drip", [False, True], ids=["endless", "dripped"])
+def test_a_refusing_receivers_answer_is_read_only_in_part(drip: bool) -> None:
+    """The answer is the tenant's to write: an endless one (it would fill the service's memory) or one dripped a byte
+    at a time (it would hold a sending thread) is cut at BODY_KEPT bytes or BODY_SECONDS, whichever comes first."""
+    import httpx
+
+    from service.webhooks import BODY_KEPT, BODY_SECONDS, post
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 100000000000\r\n\r\n")
+            try:
+                while not stop.is_set():
+                    conn.sendall(b"x" if drip else b"x" * 65536)
+                    if drip:
+                        time.sleep(0.2)
+            except OSError:
+                pass  # the sender hung up: what this test wants
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    port = listener.getsockname()[1]
+    try:
+        with httpx.Client(trust_env=False, follow_redirects=False, timeout=5) as client:
+            started = time.monotonic()
+            result = post(client, f"http://127.0.0.1:{port}/h", b"{}", {}, allow_private=True)
+            took = time.monotonic() - started
+    finally:
+        stop.set()
+        listener.close()
+    assert not result.ok and result.status == 500
+    assert result.error is not None and result.error.startswith("HTTP 500: x")
+    assert len(result.error) <= len("HTTP 500: ") + BODY_KEPT
+    assert took < BODY_SECONDS + 2, took
