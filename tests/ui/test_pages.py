@@ -13,10 +13,11 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy.engine import Engine
+from sqlmodel import Session
 
 from api.routes.ui import CSP, STATIC
 from service.host_files import HostFiles
-from service.models import EndReason, JobState
+from service.models import EndReason, JobState, NodeFault
 from tests.live_api import live_api
 from tests.ui import data
 from tests.ui.browser import STATE_RECORDER, Watched, watch
@@ -282,6 +283,19 @@ def test_cluster_view(sqlite_db: Engine, tmp_path: Path, context: Any) -> None:
         assert w.page.eval_on_selector_all("#running-rows tr", "n => n.map(t => t.dataset.jobId)") == [mine["id"]]
         assert w.page.get_attribute("#dashboard", "href") == "http://127.0.0.1:8265/"
         assert "default" in (w.page.text_content("#queue-rows") or "")
+        assert w.page.is_hidden("#excluded-section")  # no node is kept out: no section
+        # Node b failed the pre-flight check for jobs of two owners (issue 17): kept out of everyone's admissions.
+        third = data.submit(api, data.spec("third"), "tok-alice")
+        bad = data.NODES[1][0]
+        with Session(sqlite_db) as session:
+            for job in (mine, theirs, third):
+                session.add(NodeFault(node_id=bad, job_id=job["id"], attempt=1, reason="preflight_failed",
+                                      address=data.NODES[1][1]))  # fmt: skip
+            session.commit()
+        w.page.reload()
+        w.page.wait_for_selector("#excluded-section:not([hidden])")
+        row = w.page.text_content("#excluded-rows") or ""
+        assert bad[:12] in row and "3 jobs failed there (preflight_failed)" in row
         assert w.most_streams == 0 and w.csp_violations() == [] and w.errors == []
 
 
