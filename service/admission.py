@@ -11,7 +11,7 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import insert, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
@@ -21,7 +21,7 @@ from service.db import session_scope
 from service.models import ACTIVE_STATES, Attempt, EndReason, EventKind, Job, JobState, utcnow
 from service.settings import Settings
 from service.spec import JobSpec
-from service.state import record_event, transition
+from service.state import Move, record_event, transition, transition_many
 from service.sweep_admission import held_back
 
 SpecOf = Callable[[Job], "tuple[JobSpec | None, str | None]"]
@@ -36,10 +36,13 @@ def admit(
     spec_of: SpecOf,
     resources_of: Callable[[Job], dict[str, float]],
     now: datetime | None = None,
+    attempts: dict[str, Attempt] | None = None,
 ) -> tuple[list[Job], list[Job]]:
     """Start every queued job whose whole worker group fits, in priority/FIFO order, within queue limits; returns
     (the jobs admitted, the running jobs now asked to yield). A queued job whose stored spec does not validate ends
-    FAILED (user error) here instead of holding up the queue. `now`: the pass's time (default: the clock's)."""
+    FAILED (user error) here instead of holding up the queue. `now`: the pass's time (default: the clock's).
+    `attempts`, when given, receives each admitted job's new attempt row (job id -> Attempt, detached): what the
+    dispatcher submits without reading it back."""
     now = now or utcnow()
     started: list[Job] = []
     victims: list[Job] = []
@@ -94,13 +97,15 @@ def admit(
         )
         by_id = {job.id: job for job, _ in waiting}
         specs = {job.id: spec for job, spec in waiting}
+        starts = []
         for job_id in decision.admit:
             job, res = by_id[job_id], specs[job_id].resources
             size = decision.sizes.get(job_id, res.max_workers)
             said = f"at {size} workers of {res.min_workers} to {res.max_workers}" if res.elastic else None
-            started.append(_start_attempt(session, job, owner=owner, now=now, settings=settings,
-                                          held=res.total(size), world_size=size, message=said,
-                                          excluded=kept[job_id], why=kept_why.get(job_id)))  # fmt: skip
+            starts.append(_start_attempt(session, job, owner=owner, now=now, settings=settings,
+                                         held=res.total(size), world_size=size, message=said,
+                                         excluded=kept[job_id], why=kept_why.get(job_id)))  # fmt: skip
+        started = _write_starts(session, starts, owner=owner, now=now, attempts=attempts)
         for job_id, why in decision.waiting.items():
             if by_id[job_id].state_reason != why:
                 leases.set_reason(session, job_id, why)
@@ -201,7 +206,9 @@ def _without_one_running(held: dict[quotas.Scope, quotas.Held], cand: scheduler.
 def _start_attempt(
     session: Session, job: Job, *, owner: str, now: datetime, settings: Settings, held: dict[str, float],
     world_size: int, message: str | None = None, excluded: list[str] | None = None, why: dict[str, str] | None = None,
-) -> Job:  # fmt: skip
+) -> tuple[Move, dict[str, Any]]:  # fmt: skip
+    """One admitted job's QUEUED -> STARTING move and its new attempt row, written with the pass's others
+    (`_write_starts`); its resize and node events are recorded here, before its state event."""
     number = job.attempt + 1
     before = job.world_size  # the size of the attempt before (None: the first one)
     if before is not None and before != world_size:
@@ -215,12 +222,32 @@ def _start_attempt(
     values: dict[str, Any] = {"attempt": number, "step": None, "latest_metrics": None, "progress_at": None,
                               "world_size": world_size, "stalled_at": None}  # fmt: skip
     values.update(leases.lease_values(owner, now, settings.lease_seconds))
-    transition(session, job, to=JobState.STARTING, reason="admitted", actor=owner, values=values, now=now,
-               message=message)  # fmt: skip
-    session.add(Attempt(job_id=job.id, number=number, submission_id=submission_id(job.id, number), started_at=now,
-                        cpus=held.get("CPU", 0.0), gpus=held.get("GPU", 0.0),
-                        excluded_nodes=excluded or None))  # fmt: skip
-    return job
+    row = {"job_id": job.id, "number": number, "submission_id": submission_id(job.id, number), "submitted": False,
+           "started_at": now, "cpus": held.get("CPU", 0.0), "gpus": held.get("GPU", 0.0),
+           "excluded_nodes": excluded or None}  # fmt: skip
+    return Move(job, JobState.STARTING, "admitted", message=message, values=values), row
+
+
+def _write_starts(
+    session: Session, starts: list[tuple[Move, dict[str, Any]]], *, owner: str, now: datetime,
+    attempts: dict[str, Attempt] | None,
+) -> list[Job]:  # fmt: skip
+    """The pass's starts in three statements: the guarded UPDATEs (one executemany: the rows are locked by the
+    queued read, or by SQLite's write transaction), their events, and the attempt rows (one INSERT)."""
+    if not starts:
+        return []
+    transition_many(session, [m for m, _ in starts], actor=owner, now=now, locked=True)
+    table = Attempt.__table__  # type: ignore[attr-defined]
+    rows = [row for _, row in starts]
+    session.execute(insert(table), rows)  # one executemany (SQLite would run an INSERT … RETURNING row by row)
+    if attempts is not None:
+        subs = [row["submission_id"] for row in rows]
+        ids = dict(
+            session.execute(select(Attempt.submission_id, Attempt.id).where(col(Attempt.submission_id).in_(subs))).all()
+        )  # type: ignore[arg-type]
+        for row in rows:
+            attempts[row["job_id"]] = Attempt(id=ids[row["submission_id"]], **row)
+    return [m.job for m, _ in starts]
 
 
 def candidate(job: Job, spec: JobSpec) -> scheduler.Candidate:

@@ -49,7 +49,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection, Engine
 from sqlmodel import delete, select
 
-from service.db import session_scope
+from service.db import base_engine, session_scope
 from service.models import ProgressKey, utcnow
 from service.settings import Settings
 
@@ -138,7 +138,7 @@ def keys_for(bind: Engine | Connection, settings: Settings) -> Keys:
     previous = tuple(s for s in settings.progress_previous_secrets if s)
     if settings.progress_secret:
         return Keys(settings.progress_secret, (settings.progress_secret, *previous))
-    engine = bind.engine if isinstance(bind, Connection) else bind
+    engine = base_engine(bind)
     with _cache_lock:
         hit = _cache.get(engine)
         if hit is not None and hit[0] > time.monotonic():

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import event
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DataError, IntegrityError
 from sqlmodel import Session, create_engine
 
@@ -32,13 +34,21 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
             cur.execute("PRAGMA foreign_keys=ON")
             cur.close()
 
+        turns = WriteTurns()
+
         @event.listens_for(engine, "begin")
         def _sqlite_begin(conn: Any) -> None:
             # Write transactions take the write lock at BEGIN (IMMEDIATE): a read-then-write can then never fail
             # halfway on lock upgrade, which is what makes guarded updates safe across processes. Reads stay
             # deferred, so WAL readers never block the writer.
             immediate = conn.get_execution_options().get(WRITE_OPTION)
+            if immediate:
+                turns.take(conn.connection.record_info)
             conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+        @event.listens_for(engine, "checkin")
+        def _sqlite_checkin(_dbapi_conn: Any, record: Any) -> None:
+            turns.give_back(record.record_info)  # the transaction is over (committed, rolled back, or the conn lost)
 
         return engine
     engine = create_engine(url, pool_pre_ping=True, **kwargs)
@@ -72,6 +82,29 @@ def _scrub(value: Any) -> Any:
 
 
 WRITE_OPTION = "shunter_write"
+TURN_WAIT_SECONDS = 10.0
+
+
+class WriteTurns:
+    """This process's SQLite writers, one at a time. SQLite has one writer per database, and a writer that finds the
+    lock taken retries in its busy handler with sleeps growing to 100 ms: under 16 concurrent submissions the p99
+    was a second and more while the lock sat free between sleeps. Writers of one process queue here instead and are
+    handed the turn the moment the last one's connection goes back to the pool (after its COMMIT or ROLLBACK). Other
+    processes still meet SQLite's own lock and busy timeout. A turn awaited longer than `TURN_WAIT_SECONDS` (a
+    writer nested in another on one thread) is not waited for further: SQLite's lock decides, as it did before."""
+
+    KEY = "shunter_write_turn"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def take(self, record_info: dict[str, Any]) -> None:
+        if record_info.get(self.KEY) is None:
+            record_info[self.KEY] = self._lock.acquire(timeout=TURN_WAIT_SECONDS)
+
+    def give_back(self, record_info: dict[str, Any] | None) -> None:
+        if record_info is not None and record_info.pop(self.KEY, None):
+            self._lock.release()
 
 
 @contextmanager
@@ -86,6 +119,29 @@ def session_scope(engine: Engine, *, write: bool = True) -> Iterator[Session]:
         except BaseException:
             session.rollback()
             raise
+
+
+_write_binds: weakref.WeakKeyDictionary[Engine, Engine] = weakref.WeakKeyDictionary()
+
+
+def write_bind(engine: Engine) -> Engine:
+    """`engine` for sessions whose transactions are write ones from their first statement (BEGIN IMMEDIATE on
+    SQLite), begun lazily, like any session's, in the thread that first uses it; the same pool."""
+    bound = _write_binds.get(engine)
+    if bound is None or bound.pool is not engine.pool:  # (a disposed engine has a new pool)
+        bound = _write_binds[engine] = engine.execution_options(**{WRITE_OPTION: True})
+        _bases[bound] = engine
+    return bound
+
+
+_bases: weakref.WeakKeyDictionary[Engine, Engine] = weakref.WeakKeyDictionary()
+
+
+def base_engine(bind: Any) -> Engine:
+    """The engine a session's bind stands for: a Connection's engine, `write_bind`'s own engine. What is kept per
+    engine (webhook targets, key caches) is kept under this one."""
+    engine = bind.engine if isinstance(bind, Connection) else bind
+    return _bases.get(engine, engine)
 
 
 def begin_write(session: Session) -> None:

@@ -17,20 +17,22 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from typing import Any
 
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlmodel import Session, col, select
 
-from service import admission, leases, progress, retry, submission
+from service import admission, leases, signals, submission
 from service.backend import Backend, ClusterView, checked, submission_id
 from service.db import JOB_DATA_ERRORS, session_scope
 from service.errors import InfraError, InvalidSpec, StaleWrite
-from service.host_files import HostFault, HostFiles
+from service.finishing import Ending, Finishing, batched_finish
+from service.host_effects import HostEffects
+from service.host_files import HostFiles
+from service.late_logs import LateLogs
 from service.metrics import DISPATCHER_TICK_SECONDS
-from service.models import Attempt, Checkpoint, ClusterSnapshot, EndReason, EventKind, Job, JobState, utcnow
+from service.models import Attempt, Checkpoint, ClusterSnapshot, EndReason, Job, JobState, utcnow
 from service.nodes import NodeHistory
 from service.reconcile import (
     Action,
@@ -46,15 +48,15 @@ from service.reconcile import (
     decide,
 )
 from service.settings import Settings
-from service.spec import JobSpec, Retries
+from service.spec import JobSpec
 from service.stall_watch import StallWatch
-from service.state import end_reason_state, record_event, transition
+from service.state import transition
 
 log = logging.getLogger(__name__)
 STOP_RESEND_SECONDS = 5.0
 
 
-class Dispatcher:
+class Dispatcher(Finishing, HostEffects):
     def __init__(
         self, *, engine: Engine, settings: Settings, ray: Backend, owner: str, files: HostFiles | None = None
     ) -> None:
@@ -74,18 +76,45 @@ class Dispatcher:
         self.last_tick_seconds = 0.0
         self._dead_nodes: dict[str, bool] = {}  # from the last cluster read (service.reconcile.decide)
         self.nodes = NodeHistory()  # which nodes went draining or dead, and when (bears out node_draining ends)
+        self.late = LateLogs(engine=engine, ray=ray, files=self.files, owner=owner,
+                             linger_seconds=settings.driver_linger_seconds)  # fmt: skip
+        self.waker: signals.Waker | None = None  # signals between ticks, while `run` runs (service.signals)
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
+        self.waker = waker = signals.Waker(self.engine)
         try:
             while not stop.is_set():
                 try:
                     self.tick()
                 except Exception:  # noqa: BLE001 - a tick without a database does nothing; the next one tries again
                     log.exception("dispatcher tick failed")
-                stop.wait(self.settings.dispatcher_tick_seconds)
+                self._between_ticks(stop, waker, time.monotonic() + self.settings.dispatcher_tick_seconds)
         finally:
+            waker.close()
             self._pool.shutdown(wait=True)
+
+    def _between_ticks(self, stop: threading.Event, waker: signals.Waker, until: float) -> None:
+        """Wait for the next tick; a signal meanwhile (a job posted, an attempt ended, a cancel) gets a pass at once."""
+        while not stop.is_set() and (left := until - time.monotonic()) > 0:
+            if waker.wait(min(left, 0.5)):
+                try:
+                    self.wake(waker.take())
+                except Exception:  # noqa: BLE001 - as for a tick: the next one tries again
+                    log.exception("dispatcher wake-up pass failed")
+                stop.wait(self.settings.dispatcher_wake_spacing_seconds)
+
+    def wake(self, job_ids: set[str]) -> None:
+        """Between ticks: reconcile the held jobs a signal named, then one admission pass. (The cluster is read
+        first, as in a tick: an end is judged against a view of the nodes at least as new as it.)"""
+        cluster = self.read_cluster(store=False)
+        if job_ids:
+            with Session(self.engine, expire_on_commit=False) as session:
+                named = session.exec(select(Job).where(col(Job.id).in_(sorted(job_ids)[:500]),
+                                                       Job.lease_owner == self.owner)).all()  # fmt: skip
+            list(self._pool.map(self._reconcile_safely, named))
+        if cluster is not None:
+            self.admit(cluster)
 
     def tick(self) -> None:
         started = time.monotonic()
@@ -95,14 +124,19 @@ class Dispatcher:
             leases.take_over(
                 session, owner=self.owner, now=now, seconds=self.settings.lease_seconds, include_own=not self._started
             )
+        if not self._started:
+            self.late.pick_up(now)
         self._started = True
         cluster = self.read_cluster()  # None when Ray cannot be read: what we hold is reconciled all the same
         with Session(self.engine, expire_on_commit=False) as session:
-            mine = leases.owned(session, owner=self.owner)
-        # Reconciling is mostly waiting (Ray's HTTP API, the database): overlap it across the jobs held.
-        list(self._pool.map(self._reconcile_safely, mine))
+            mine = leases.owned_with_attempts(session, owner=self.owner)
+        # Reconciling is mostly waiting (Ray's HTTP API, the database): overlap it across the jobs held. The attempts
+        # Ray says ended are written together after (service.finishing).
+        ends = self._pool.map(lambda held: self._safely(held[0], self._reconcile_held, *held), mine)
+        self.finish_many([e for e in ends if e is not None])
         if cluster is not None:
             self.admit(cluster)
+        self.late.step(self._pool.map)  # logs of attempts ended on their driver's word, once Ray's job has exited
         self.last_tick_seconds = time.monotonic() - started
         DISPATCHER_TICK_SECONDS.observe(self.last_tick_seconds)
 
@@ -126,8 +160,9 @@ class Dispatcher:
         return spec.resources.total(job.world_size) if spec is not None else {}
 
     # ---- cluster view ---------------------------------------------------------------------------------------
-    def read_cluster(self) -> ClusterView | None:
-        """Ray's per-node resources, checked for shape, and stored for the API; None if Ray cannot be read."""
+    def read_cluster(self, *, store: bool = True) -> ClusterView | None:
+        """Ray's per-node resources, checked for shape, and stored for the API (each tick; `store`); None if Ray cannot
+        be read."""
         try:
             cluster = checked(self.ray.cluster())
         except Exception as exc:  # noqa: BLE001 - unreachable, or an answer of the wrong shape: skip admission
@@ -135,7 +170,7 @@ class Dispatcher:
             return None
         self._dead_nodes = dict(cluster.dead_nodes)
         self.nodes.observe(cluster, utcnow())
-        for first in (True, False):
+        for first in (True, False) if store else ():
             try:
                 self._store_snapshot(cluster)
                 break
@@ -159,20 +194,30 @@ class Dispatcher:
     # ---- admission ------------------------------------------------------------------------------------------
     def admit(self, cluster: ClusterView) -> list[str]:
         """One admission pass (service.admission); then the preemption notices and the new attempts' submissions."""
+        attempts: dict[str, Attempt] = {}
         started, victims = admission.admit(
-            self.engine, self.settings, cluster, owner=self.owner, spec_of=self.spec_of, resources_of=self.resources_of
-        )
+            self.engine, self.settings, cluster, owner=self.owner, spec_of=self.spec_of, resources_of=self.resources_of,
+            attempts=attempts,
+        )  # fmt: skip
         for victim in victims:
             self._host_effect(victim, "preemption notice", self._write_notice, victim)
-        # Submit at once rather than on the next tick, overlapped like every other reconcile.
-        list(self._pool.map(self._reconcile_safely, started))
+        # Submit at once rather than on the next tick, overlapped; the accepted submissions recorded in one go.
+        news = [(job, attempts[job.id]) for job in started]
+        adopted = self._pool.map(lambda new: self._safely(new[0], self._submission, *new), news)
+        self.mark_submitted_many([(j, a, was) for (j, a), was in zip(news, adopted, strict=True) if was is not None])
         return [job.id for job in started]
 
     # ---- reconciliation -------------------------------------------------------------------------------------
     def _reconcile_safely(self, job: Job) -> None:
+        self._safely(job, self.reconcile, job)
+
+    def _safely(self, job: Job, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args)` for `job`, its faults kept its own (service.dispatcher's docstring); None when it failed."""
         try:
-            self.reconcile(job)
-            self._faults.pop(job.id, None)
+            out = fn(*args, **kwargs)
+            if not isinstance(out, Ending):  # an end decided, not yet written: its write may be the job's fault
+                self._faults.pop(job.id, None)
+            return out
         except StaleWrite as exc:
             log.info("job %s moved on under us: %s", job.id, exc)
         except (InfraError, SQLAlchemyError) as exc:
@@ -182,6 +227,7 @@ class Dispatcher:
                 log.warning("job %s: not reconciled this tick: %s", job.id, exc)
         except Exception as exc:  # noqa: BLE001 - one job's surprise must not stop the others, nor wedge this one
             self._job_fault(job, exc)
+        return None
 
     def _job_fault(self, job: Job, exc: Exception) -> None:
         """A failure of this job's own: retried each tick, and the job given up on once it has lasted
@@ -204,26 +250,40 @@ class Dispatcher:
             attempt = session.exec(
                 select(Attempt).where(Attempt.job_id == job.id, Attempt.number == fresh.attempt)
             ).first()
-            checkpointed = fresh.preempt_requested_at is not None and session.exec(
-                select(Checkpoint.id).where(Checkpoint.job_id == job.id, Checkpoint.complete,
-                                            col(Checkpoint.created_at) > fresh.preempt_requested_at)
-            ).first() is not None  # fmt: skip
+        ending = self._reconcile_held(fresh, attempt)
+        if ending is not None:
+            self._write_ending(ending)
+
+    def _reconcile_held(self, fresh: Job, attempt: Attempt | None) -> Ending | None:
+        """`reconcile` of a job read with its attempt just now; an attempt to end alone is returned, not written."""
         if attempt is None:
             self._abandon(fresh, f"attempt {fresh.attempt} has no record")
-            return
+            return None
+        checkpointed = False
+        if fresh.preempt_requested_at is not None:
+            with Session(self.engine) as session:
+                checkpointed = session.exec(
+                    select(Checkpoint.id).where(Checkpoint.job_id == fresh.id, Checkpoint.complete,
+                                                col(Checkpoint.created_at) > fresh.preempt_requested_at)
+                ).first() is not None  # fmt: skip
         spec, spec_error = self.spec_of(fresh)
         facts = JobFacts(
             state=JobState(fresh.state), step=fresh.step, preempt_requested_at=fresh.preempt_requested_at,
             timeout_seconds=spec.timeout_seconds if spec else None, checkpointed_since_preempt=checkpointed,
             spec_error=spec_error, script=bool(spec and spec.entrypoint.script),
-            num_workers=spec.resources.workers(job.world_size) if spec else 1,
+            num_workers=spec.resources.workers(fresh.world_size) if spec else 1,
             stall=self.stalls.facts(fresh, attempt, spec),
         )  # fmt: skip
-        attempt_facts = AttemptFacts(attempt.submitted, attempt.started_at, attempt.end_reason)
+        attempt_facts = AttemptFacts(attempt.submitted, attempt.started_at, attempt.end_reason,
+                                     driver_ended=attempt.driver_ended_at is not None)  # fmt: skip
         info = self.ray.info(attempt.submission_id)
-        dead = self._dead_nodes
-        for action in decide(facts, attempt_facts, info, now=utcnow(), patience=self.patience, dead_nodes=dead):
+        actions = decide(facts, attempt_facts, info, now=utcnow(), patience=self.patience, dead_nodes=self._dead_nodes)
+        alone = batched_finish(actions)
+        if alone is not None:
+            return self.prepare_ending(fresh, attempt, alone)
+        for action in actions:
             self.execute(fresh, attempt, action)
+        return None
 
     def execute(self, job: Job, attempt: Attempt, action: Action) -> None:
         if isinstance(action, Submit):
@@ -244,16 +304,23 @@ class Dispatcher:
             self.stalls.dump(job, attempt, action)
 
     def _submit(self, job: Job, attempt: Attempt) -> None:
+        adopted = self._submission(job, attempt)
+        if adopted is not None:
+            self._mark_submitted(job, attempt, adopted=adopted)
+
+    def _submission(self, job: Job, attempt: Attempt) -> bool | None:
+        """Submit the attempt to Ray: whether an existing one was adopted, or None when Ray did not take it (tried
+        again next tick) or the job's own input could not be submitted (then it has ended, a user error)."""
         spec, error = self.spec_of(job)
         try:
             if spec is None:
                 raise InvalidSpec(error or "spec: does not validate", field="spec")
             with Session(self.engine) as session:
-                sub = submission.build(session, job, spec, self.settings)
+                sub = submission.build(session, job, spec, self.settings, attempt=attempt)
         except (InvalidSpec, ValueError, TypeError, KeyError) as exc:  # the job's own input: end it, say which field
             detail = exc.detail if isinstance(exc, InvalidSpec) else f"{type(exc).__name__}: {exc}"
             self._finish(job, attempt, Finish(EndReason.USER_ERROR, detail))
-            return
+            return None
         try:
             submitted_now = self.ray.submit(
                 submission_id=attempt.submission_id, entrypoint=sub.entrypoint, runtime_env=sub.runtime_env,
@@ -263,89 +330,14 @@ class Dispatcher:
             # Often passing ("No available agent to submit job" just after a head starts): tried again next tick;
             # `decide` ends the attempt once the submission patience has run out.
             log.warning("job %s: submission not accepted yet: %s", job.id, exc.detail)
-            return
-        self._mark_submitted(job, attempt, adopted=not submitted_now)
-
-    def _mark_submitted(self, job: Job, attempt: Attempt, *, adopted: bool) -> None:
-        with session_scope(self.engine) as session:
-            row = session.get(Attempt, attempt.id)
-            if row is None or row.submitted:
-                return
-            row.submitted = True
-            session.add(row)
-            reason = "ray_job_adopted" if adopted else "ray_job_submitted"
-            record_event(session, job.id, kind=EventKind.RAY, reason=reason, message=attempt.submission_id,
-                         attempt=attempt.number, actor=self.owner)  # fmt: skip
-        attempt.submitted = True
+            return None
+        return not submitted_now
 
     def _send_stop(self, sub_id: str) -> None:
         last = self._stop_sent.get(sub_id, 0.0)
         if time.monotonic() - last >= STOP_RESEND_SECONDS:
             self.ray.stop(sub_id)
             self._stop_sent[sub_id] = time.monotonic()
-
-    def _mark_attempt(self, attempt: Attempt, reason: EndReason, message: str) -> None:
-        with session_scope(self.engine) as session:
-            row = session.get(Attempt, attempt.id)
-            if row is not None and row.end_reason is None:
-                row.end_reason = reason
-                row.message = message
-                session.add(row)
-
-    def _finish(self, job: Job, attempt: Attempt, action: Finish) -> None:
-        """Close the attempt; then end the job, or queue the next attempt if the retry policy says so."""
-        reason, message = action.reason, action.message
-        if attempt.message and reason in (EndReason.NODE_DRAINING, EndReason.NODE_LOST, EndReason.STALLED):
-            message = attempt.message  # the driver's own account (a stall's: the dispatcher's, not Ray's "stopped")
-        asked = job.preempt_requested_at is not None
-        log_uri = self._host_effect(job, "log", self._keep_log, job, attempt) if action.keep_logs else None
-        spec, _ = self.spec_of(job)
-        retries = spec.retries if spec is not None else Retries()
-        decision = retry.decide(
-            reason=reason, attempt=job.attempt, max_attempts=retries.max_attempts,
-            backoff_seconds=retries.backoff_seconds, max_backoff_seconds=retries.max_backoff_seconds,
-            retry_on_timeout=retries.retry_on_timeout, preemptions=job.preemptions,
-            cluster_restarts=job.cluster_restarts, count_cluster_restarts=self.settings.count_cluster_restarts,
-            drain_confirmed=self.nodes.confirms(attempt.started_at, message),
-            elastic=spec is not None and spec.resources.elastic,
-            node_losses=progress.node_losses(self.engine, job.id, attempt.id, reason),
-            max_free_node_losses=self.settings.max_free_node_losses,
-        )  # fmt: skip
-        now = utcnow()
-        with session_scope(self.engine) as session:
-            row = session.get(Attempt, attempt.id)
-            if row is not None:
-                row.ended_at, row.end_reason, row.ray_status = now, reason, action.ray_status
-                row.message = row.message or message
-                row.log_uri = log_uri
-                session.add(row)
-            if decision.retry:
-                resumes = progress.steps_lost(session, job.id)
-                if reason is EndReason.NODE_DRAINING:
-                    record_event(session, job.id, kind=EventKind.DRAIN, reason="node_draining", attempt=job.attempt,
-                                 message=f"{message[-1500:]}; {resumes}", actor=self.owner)  # fmt: skip
-                record_event(session, job.id, kind=EventKind.RETRY, reason="retry_decided",
-                             message=f"{decision.why}; {resumes}", attempt=job.attempt, actor=self.owner)  # fmt: skip
-                values = {"not_before": now + timedelta(seconds=decision.delay_seconds), "last_error": message[-4000:],
-                          "preempt_requested_at": None}  # fmt: skip
-                if decision.uncounted:  # not failures: preempted, drained, an elastic job shrinking
-                    values.update(preemptions=job.preemptions + 1, last_error=None)
-                if reason is EndReason.PREEMPTED:
-                    message = "yielded as asked (its preemption_requested or grow_requested event says why)"
-                elif reason is EndReason.CLUSTER_RESTARTED:
-                    values.update(cluster_restarts=job.cluster_restarts + 1)
-                transition(session, job, to=JobState.QUEUED, reason=reason.value, lease_token=job.lease_token,
-                           actor=self.owner, message=f"{message[-500:]}; retrying in {decision.delay_seconds:.0f}s",
-                           values=values)  # fmt: skip
-            else:
-                values = {"end_reason": reason}
-                if reason is not EndReason.SUCCEEDED:
-                    values["last_error"] = message[-4000:]
-                transition(session, job, to=end_reason_state(reason), reason=reason.value, lease_token=job.lease_token,
-                           actor=self.owner, message=message[-1000:], values=values)  # fmt: skip
-        self._stop_sent.pop(attempt.submission_id, None)
-        if asked:  # read before the transition, which clears the job's preempt_requested_at
-            self._host_effect(job, "preemption notice", self._clear_notice, job)
 
     def _abandon(self, job: Job, message: str) -> None:
         """The last resort for a job shunter cannot handle: stop what Ray runs of it and end it FAILED (infra)."""
@@ -362,38 +354,3 @@ class Dispatcher:
                        actor=self.owner, message=message[-1000:],
                        values={"end_reason": EndReason.INFRA, "last_error": message[-4000:]})  # fmt: skip
         self._faults.pop(job.id, None)
-
-    # ---- shunter's own effects on its host ------------------------------------------------------------------
-    def _host_effect(self, job: Job, what: str, effect: Any, *args: Any) -> Any:
-        """Run one of shunter's own file effects for `job`; a failure is an event on the job, never its end."""
-        try:
-            return effect(*args)
-        except HostFault as exc:
-            log.warning("job %s: %s", job.id, exc)
-            try:
-                with session_scope(self.engine) as session:
-                    record_event(session, job.id, kind=EventKind.HOST, reason=f"{what.replace(' ', '_')}_failed",
-                                 message=str(exc)[:2000], attempt=job.attempt, actor=self.owner)  # fmt: skip
-            except SQLAlchemyError:
-                log.warning("job %s: could not record the host fault either", job.id)
-            return None
-
-    def _keep_log(self, job: Job, attempt: Attempt) -> str | None:
-        """Copy the attempt's driver log out of Ray, so it stays readable after the cluster is gone."""
-        try:
-            text = self.ray.logs(attempt.submission_id)
-        except InfraError:
-            return None
-        return None if text is None else self.files.keep_log(job.id, attempt.number, text)
-
-    def _storage_of(self, job: Job) -> str:
-        spec, _ = self.spec_of(job)
-        if spec is None:
-            raise HostFault("the job's spec does not validate: no storage to use")
-        return submission.job_storage(spec, self.settings)
-
-    def _write_notice(self, job: Job) -> None:
-        self.files.write_preemption_notice(self._storage_of(job), job.id, attempt=job.attempt)
-
-    def _clear_notice(self, job: Job) -> None:
-        self.files.clear_preemption_notice(self._storage_of(job), job.id)

@@ -11,7 +11,7 @@ from sqlalchemy import func
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from service import auth, dependencies, notify, resources, tenancy
+from service import auth, dependencies, notify, resources, signals, tenancy
 from service.errors import Conflict, InvalidSpec, NotFound, StaleWrite
 from service.models import Attempt, Checkpoint, ClusterSnapshot, EventKind, Job, JobEvent, JobState, Metric
 from service.settings import Settings
@@ -133,6 +133,7 @@ def submit(
     )
     session.add(job)
     record_event(session, job.id, kind=EventKind.STATE, to_state=JobState.QUEUED, reason="submitted", attempt=0)
+    signals.publish(session, signals.ADMISSION)  # on commit: a dispatcher looks now (service.signals)
     notify.store_secrets(session, job, spec)
     notify.enqueue(session, job, from_state=None, to_state=JobState.QUEUED, reason="submitted", message=None,
                    at=job.created_at)  # fmt: skip
@@ -215,6 +216,7 @@ def cancel(session: Session, job_id: str, *, caller: Caller) -> Job:
         try:
             to = JobState.CANCELLED if state is JobState.QUEUED else JobState.CANCELLING
             values = {"end_reason": "cancelled"} if to is JobState.CANCELLED else {}
+            signals.publish(session, signals.ADMISSION, job.id)  # its dispatcher stops it now, not at its next tick
             return transition(session, job, to=to, reason="cancel_requested", actor=caller.owner, values=values)
         except StaleWrite:
             continue  # a dispatcher moved it (e.g. QUEUED -> STARTING) between read and write: read again
@@ -229,6 +231,7 @@ def retry(session: Session, job_id: str, *, caller: Caller) -> Job:
         raise Conflict(f"job {job_id} is {state.value}; only FAILED or CANCELLED jobs can be retried")
     auth.check_submit(caller, queue=job.queue, priority=job.priority)
     waiting = dependencies.reopen(session, job)  # its unmet dependencies, looked at again (409 if one still misses)
+    signals.publish(session, signals.ADMISSION)
     return transition(
         session,
         job,

@@ -10,10 +10,10 @@ from __future__ import annotations
 import uuid
 from datetime import datetime, timedelta
 
-from sqlalchemy import ColumnElement, or_, text, update
+from sqlalchemy import ColumnElement, and_, func, or_, text, update
 from sqlmodel import Session, col, select
 
-from service.models import ACTIVE_STATES, EventKind, Job, JobState
+from service.models import ACTIVE_STATES, Attempt, EventKind, Job, JobState
 from service.state import record_event
 
 
@@ -68,7 +68,7 @@ def queued_heads(
     )
     if where is not None:
         ready = (*ready, where)
-    owners = session.exec(select(Job.owner).where(*ready).group_by(col(Job.owner))).all()
+    owners = _queued_owners(session)
     if len(owners) <= 1:
         return queued(session, now=now, limit=limit, where=where)
     each = max(4, limit // len(owners))
@@ -83,6 +83,19 @@ def queued_heads(
         )
         out.extend(session.exec(query).all())
     return out
+
+
+def _queued_owners(session: Session) -> list[str]:
+    """The owners with a queued job, by a skip scan of ix_jobs_owner_admission_order (state, owner, ...): one index
+    probe per owner, where `GROUP BY owner` over the ready ones read every queued job (92 ms of a pass at 100k queued
+    on SQLite). An owner whose queued jobs are all in backoff, waiting on dependencies or held back is listed too; its
+    own query finds none (filtering here would walk all its jobs at every probe)."""
+    queued = Job.state == JobState.QUEUED
+    first = select(func.min(Job.owner)).where(queued).scalar_subquery()
+    owners = select(first.label("owner")).cte("owners", recursive=True)
+    after = select(func.min(Job.owner)).where(queued, col(Job.owner) > owners.c.owner).scalar_subquery()
+    owners = owners.union_all(select(after).where(owners.c.owner.is_not(None)))
+    return list(session.exec(select(owners.c.owner).where(owners.c.owner.is_not(None))).all())
 
 
 def set_reason(session: Session, job_id: str, reason: str) -> None:
@@ -133,3 +146,11 @@ def take_over(session: Session, *, owner: str, now: datetime, seconds: float, in
 
 def owned(session: Session, *, owner: str) -> list[Job]:
     return list(session.exec(select(Job).where(Job.lease_owner == owner, col(Job.state).in_(ACTIVE_STATES))).all())
+
+
+def owned_with_attempts(session: Session, *, owner: str) -> list[tuple[Job, Attempt | None]]:
+    """`owned`, each job with its current attempt's row (None when it has none), in one read."""
+    current = and_(Attempt.job_id == Job.id, Attempt.number == Job.attempt)
+    query = select(Job, Attempt).outerjoin(Attempt, current)  # type: ignore[arg-type]
+    rows = session.exec(query.where(Job.lease_owner == owner, col(Job.state).in_(ACTIVE_STATES))).all()
+    return [(job, attempt) for job, attempt in rows]

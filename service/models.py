@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime, timezone
-from enum import Enum
 from typing import Any
 
 from sqlalchemy import JSON, Column, DateTime, Index, Text, text
@@ -12,6 +11,7 @@ from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
 from service import clock
+from service.enums import ACTIVE_STATES, TERMINAL_STATES, EndReason, EventKind, JobState  # noqa: F401 (re-exported)
 
 
 def utcnow() -> datetime:
@@ -21,77 +21,6 @@ def utcnow() -> datetime:
 
 def new_job_id() -> str:
     return "j" + uuid.uuid4().hex[:15]
-
-
-class JobState(str, Enum):
-    QUEUED = "QUEUED"
-    STARTING = "STARTING"
-    RUNNING = "RUNNING"
-    CANCELLING = "CANCELLING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in TERMINAL_STATES
-
-
-TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
-ACTIVE_STATES = frozenset({JobState.STARTING, JobState.RUNNING, JobState.CANCELLING})
-
-
-class EndReason(str, Enum):
-    """Why an attempt (or a job) ended. Distinct causes get distinct names: the retry policy reads them."""
-
-    SUCCEEDED = "succeeded"
-    USER_ERROR = "user_error"  # the user's code raised or exited non-zero
-    OUT_OF_MEMORY = "out_of_memory"
-    WORKER_LOST = "worker_lost"
-    NODE_LOST = "node_lost"
-    COLLECTIVE_TIMEOUT = "collective_timeout"
-    NO_RESOURCES = "no_resources"
-    TIMEOUT = "timeout"
-    CANCELLED = "cancelled"
-    PREEMPTED = "preempted"  # stopped to make room for a higher-priority job; requeued, not a failure
-    NODE_DRAINING = "node_draining"  # a node announced its end: checkpointed and stopped; requeued, not a failure
-    CLUSTER_RESTARTED = "cluster_restarted"  # the Ray head restarted and lost its Jobs: not the job's fault
-    PREFLIGHT_FAILED = "preflight_failed"  # a rank failed the check before training (workers.preflight): names it
-    STALLED = "stalled"  # reported progress, then none for stall_timeout_seconds: every rank's stack was dumped
-    DEPENDENCY_FAILED = "dependency_failed"  # a job of its depends_on can no longer meet its condition (never retried)
-    INFRA = "infra"  # Ray or shunter itself failed: submission refused, driver vanished
-
-    def is_retryable(self) -> bool:
-        return self in {
-            EndReason.WORKER_LOST,
-            EndReason.NODE_LOST,
-            EndReason.COLLECTIVE_TIMEOUT,
-            EndReason.INFRA,
-            EndReason.CLUSTER_RESTARTED,
-            EndReason.OUT_OF_MEMORY,
-            EndReason.NODE_DRAINING,  # counted only when Ray does not bear the drain out (service.retry)
-            EndReason.PREFLIGHT_FAILED,  # retried off the node it names (service.exclusion)
-            EndReason.STALLED,
-        }
-
-
-class EventKind(str, Enum):
-    """What a `JobEvent` records. `service.state.record_event` (and `transition`, for STATE) are its only writers."""
-
-    STATE = "state"  # a state change (from -> to)
-    RAY = "ray"  # submitted to Ray, or an existing Ray Job adopted
-    LEASE = "lease"  # a dispatcher took over a job whose lease ran out
-    RETRY = "retry"  # the retry policy decided to run another attempt
-    PREEMPTION = "preemption"  # asked to yield to a higher-priority job
-    CHECKPOINT = "checkpoint"  # a checkpoint was reported
-    WARNING = "warning"  # something the user should know that did not end the job
-    HOST = "host"  # a fault of shunter's own host while handling the job (skipped, retried next tick)
-    DRAIN = "drain"  # a node of the attempt announced its end: the notice, the checkpoint, the steps lost
-    RESIZED = "resized"  # an elastic job's attempt runs at another world size than the one before
-    PREFLIGHT = "preflight"  # the worker group's check before training: its result, a slow rank's warning
-    STALL = "stall"  # no progress for stall_timeout_seconds: every rank's stack dumped, then the attempt stopped
-    NODE = "node"  # a node kept out of the job's next attempt (or of everyone's admissions), or let back in
-    DEPENDENCY = "dependency"  # a job of its depends_on met its condition (service.dependencies)
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -134,6 +63,7 @@ class Job(SQLModel, table=True):
         Index("ix_jobs_lease", "state", "lease_expires_at"),
         Index("ix_jobs_finished", "finished_at"),  # usage: jobs ended in a window
         Index("ix_jobs_sweep", "sweep_id", "sweep_index"),  # a sweep's members, in index order
+        Index("ix_jobs_sweep_state", "sweep_id", "state"),  # max_parallel: the queued members of capped sweeps
         Index("ux_jobs_idempotency", "owner", "idempotency_key", unique=True),
     )
 
@@ -202,6 +132,9 @@ class Attempt(SQLModel, table=True):
     end_reason: EndReason | None = Field(default=None, max_length=32)
     message: str | None = Field(default=None, sa_column=Column(Text))
     log_uri: str | None = Field(default=None, sa_column=Column(Text))
+    # When the driver said its run ended (train function returned or raised): the attempt ends on that word, and its
+    # log is kept once Ray's job has exited (service.late_logs).
+    driver_ended_at: datetime | None = Field(default=None, sa_column=_tz())
     # What the attempt's worker group held from started_at to ended_at (fair share and usage accounting).
     cpus: float = Field(default=0.0, sa_column_kwargs={"server_default": "0"})
     gpus: float = Field(default=0.0, sa_column_kwargs={"server_default": "0"})

@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from pydantic import ValidationError
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlmodel import Session, col, select
 
+from service.db import base_engine
 from service.errors import InvalidSpec
 from service.models import Job, JobState
 from service.notify_models import Notification, NotifySecret
@@ -41,8 +42,10 @@ def configure(engine: Engine, targets: list[ClusterWebhook] | tuple[ClusterWebho
     _CLUSTER[engine] = tuple(targets)
 
 
-def cluster_targets(engine: Engine) -> tuple[ClusterWebhook, ...]:
-    return _CLUSTER.get(engine, ())
+def cluster_targets(bind: Engine | Connection) -> tuple[ClusterWebhook, ...]:
+    """The targets `configure` registered for the engine `bind` stands for (a session's bind: an engine, a request's
+    write bind, a connection)."""
+    return _CLUSTER.get(base_engine(bind), ())
 
 
 def new_event_id() -> str:
@@ -72,10 +75,8 @@ def enqueue(
             continue
         if to_state.value in target.events:
             targets.append((f"job:{i}", target))
-    bind = session.get_bind()
-    engine = bind if isinstance(bind, Engine) else getattr(bind, "engine", None)
-    if engine is not None:
-        targets += [(f"cluster:{i}", t) for i, t in enumerate(cluster_targets(engine)) if to_state.value in t.events]
+    cluster = cluster_targets(session.get_bind())
+    targets += [(f"cluster:{i}", t) for i, t in enumerate(cluster) if to_state.value in t.events]
     if not targets:
         return []
     event_id = new_event_id()

@@ -14,7 +14,7 @@ from sqlalchemy import update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from service import exclusion
+from service import exclusion, signals
 from service.db import begin_write
 from service.models import ACTIVE_STATES, Attempt, Checkpoint, EndReason, EventKind, Job, JobEvent, Metric, utcnow
 from service.state import record_event
@@ -103,6 +103,8 @@ def record_started(engine: Engine, *, job_id: str, attempt: int) -> bool:
                    Job.step.is_(None))  # type: ignore[union-attr]
             .values(step=0, progress_at=utcnow())
         )  # fmt: skip
+        if result.rowcount == 1:  # type: ignore[attr-defined]
+            signals.publish(session, signals.ADMISSION, job_id)  # its dispatcher marks it RUNNING now
         session.commit()
         return bool(result.rowcount == 1)  # type: ignore[attr-defined]
 
@@ -215,15 +217,18 @@ def attempt_reported(engine: Engine, *, job_id: str, attempt: int) -> bool:
 
 
 def record_attempt_end(engine: Engine, *, job_id: str, attempt: int, reason: EndReason, message: str) -> bool:
-    """The driver's own account of why its attempt ended; the dispatcher prefers it to guessing from Ray. False when
-    the attempt's end was already recorded (or it has no row)."""
+    """The driver's own account of why its attempt ended, sent once its run's result is final: the dispatcher holding
+    the job is woken and ends the attempt on it, without waiting for Ray's teardown. False when the attempt's end was
+    already recorded (a stop of the dispatcher's own came first) or it has no row."""
     with Session(engine) as session:
         begin_write(session)
         row = session.exec(select(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt)).first()
         if row is not None and row.end_reason is None:
             row.end_reason = reason
             row.message = message[-4000:]
+            row.driver_ended_at = utcnow()  # the run's result is final: the dispatcher ends the attempt on it
             session.add(row)
+            signals.publish(session, signals.ADMISSION, job_id)
             failed = (row.preflight or {}).get("failed") or {}
             exclusion.record(session, job_id=job_id, attempt=attempt, reason=reason, message=message,
                              address=failed.get("address"))  # fmt: skip

@@ -55,6 +55,8 @@ def _total(job: Job) -> dict[str, float]:
 
 
 def check_known(session: Session, settings: Settings, name: str) -> None:
+    if name == DEFAULT_QUEUE or name in settings.queues or session.get(QueueConfig, name) is not None:
+        return  # (the queue of nearly every submission: checked without reading every queue's row)
     if name not in limits(session, settings):
         known = ", ".join(sorted(limits(session, settings)))
         raise InvalidSpec(f"queue: no queue named {name!r}; known: {known}", field="queue")

@@ -12,6 +12,8 @@ Possible outcomes, by state (the state changes themselves happen in `Finish` and
   stacks had time to reach the log; a report meanwhile means it recovered.
 - any, Ray running but the driver's node is dead: Finish(cluster_restarted | node_lost), or Finish(cancelled).
 - any, Ray ended: Finish(reason), where the retry policy then decides between QUEUED and an end state.
+- any, the driver said its run ended (its result final), Ray still running or forgot it: Finish(that reason) at once,
+  the log kept later (`service.late_logs`); before this, an attempt ended seconds after its training did.
 - CANCELLING: Stop until Ray ends it, then Finish(cancelled) (or the job's true end, if it finished first).
 """
 
@@ -53,6 +55,7 @@ class AttemptFacts:
     submitted: bool
     started_at: datetime  # admission time of this attempt
     recorded_end: EndReason | None = None  # the driver's (or an earlier Stop's) account of why it ended
+    driver_ended: bool = False  # recorded_end is the driver's word, sent once its run's result was final
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ class Finish:
     message: str
     ray_status: str | None = None
     keep_logs: bool = False  # Ray ran the attempt: copy its log out before Ray forgets it
+    log_later: bool = False  # its Ray Job is still exiting: keep its log once it has (service.late_logs)
 
 
 Action = Wait | Submit | MarkSubmitted | MarkRunning | DumpStacks | Stop | Finish
@@ -135,6 +139,20 @@ def classify(state: JobState, recorded: EndReason | None, ray: RayJobInfo) -> En
     return EndReason.INFRA  # the driver died without saying why: its node or process was lost
 
 
+# Ends a driver may claim that cost no attempt once the dispatcher has seen the node go (service.nodes): they wait
+# for Ray's end of the Ray Job, so that the dispatcher's view of the nodes is at least as new as the end. A drained
+# script's driver speaks within a second of the notice, before any tick may have seen the node draining.
+CLAIMS_TO_CONFIRM = frozenset({EndReason.NODE_DRAINING, EndReason.NODE_LOST})
+
+
+def driver_end(state: JobState, recorded: EndReason) -> EndReason:
+    """Why an attempt ended by its driver's word did end: a cancel wins over every end but success, as in
+    `classify`."""
+    if recorded is EndReason.SUCCEEDED or state is not JobState.CANCELLING:
+        return recorded
+    return EndReason.CANCELLED
+
+
 def decide(
     job: JobFacts, attempt: AttemptFacts, ray: RayJobInfo | None, *, now: datetime, patience: Patience,
     dead_nodes: Mapping[str, bool] | None = None,
@@ -152,6 +170,8 @@ def decide(
     waited = (now - attempt.started_at).total_seconds()
 
     if ray is None:
+        if attempt.driver_ended and attempt.recorded_end is not None:  # its last word came before Ray forgot it
+            return [Finish(driver_end(job.state, attempt.recorded_end), "the driver's own account", log_later=True)]
         if job.state is JobState.CANCELLING:
             return [Finish(EndReason.CANCELLED, "cancelled before Ray started it")]
         if job.spec_error is not None:
@@ -166,6 +186,11 @@ def decide(
     if ray.is_terminal:
         reason = classify(job.state, attempt.recorded_end, ray)
         return [*actions, Finish(reason, ray.message or ray.status, ray_status=ray.status, keep_logs=True)]
+    if attempt.driver_ended and attempt.recorded_end is not None and attempt.recorded_end not in CLAIMS_TO_CONFIRM:
+        # The run's result is final (the driver said so once its last report landed): end the attempt now, not when
+        # Ray Train's teardown and the driver's exit let Ray call the Ray Job ended, seconds later.
+        reason = driver_end(job.state, attempt.recorded_end)
+        return [*actions, Finish(reason, "the driver's own account", log_later=True)]
     if dead_nodes and ray.driver_node_id in dead_nodes:
         head = dead_nodes[ray.driver_node_id]
         lost = f"its driver's node {ray.driver_node_id[:12]} ({'the old head' if head else 'a worker'}) is dead"

@@ -93,6 +93,11 @@ class Settings(BaseSettings):
     dispatcher_tick_seconds: float = Field(0.5, gt=0)
     lease_seconds: float = Field(15.0, gt=0)
     dispatcher_threads: int = Field(8, ge=1, le=64, description="jobs reconciled at once by one dispatcher")
+    # A Ray Job still running this long after its driver said the run ended is stopped (service.late_logs).
+    driver_linger_seconds: float = Field(60.0, gt=0)
+    # Between ticks a dispatcher wakes on signals (service.signals: a job posted, an attempt ended, a cancel); two
+    # such passes are at least this far apart, so a burst of posts costs one pass, not one each.
+    dispatcher_wake_spacing_seconds: float = Field(0.1, ge=0)
     # Attempt-scoped progress credentials (issue 12): jobs report through the API with a token signed by this key,
     # never with the database URL. Unset: a key is made once and kept in the database, shared by every process.
     # During a rotation, tokens signed by the previous keys are still accepted.

@@ -56,8 +56,11 @@ def resume_uri(session: Session, job: Job, spec: JobSpec) -> str | None:
 EXCLUDED_NODES_ENV = "SHUNTER_EXCLUDED_NODES"  # Ray node ids, comma-separated (workers.driver reads it)
 
 
-def build(session: Session, job: Job, spec: JobSpec, settings: Settings) -> Submission:
-    """The attempt's entrypoint, runtime_env (the spec's, plus what the driver needs) and dashboard metadata."""
+def build(
+    session: Session, job: Job, spec: JobSpec, settings: Settings, *, attempt: Attempt | None = None
+) -> Submission:
+    """The attempt's entrypoint, runtime_env (the spec's, plus what the driver needs) and dashboard metadata.
+    `attempt`: the attempt's row when the caller has it (else it is read)."""
     check_hand_off(session, job, spec, settings)
     runtime_env = json.loads(json.dumps(spec.runtime_env))
     # Reserved names are refused at submission; a spec stored before that rule must not set them either.
@@ -83,7 +86,11 @@ def build(session: Session, job: Job, spec: JobSpec, settings: Settings) -> Subm
             "SHUNTER_WORLD_SIZE": str(spec.resources.workers(job.world_size)),
         }
     )
-    row = session.exec(select(Attempt).where(Attempt.job_id == job.id, Attempt.number == job.attempt)).first()
+    row = (
+        attempt
+        if attempt is not None and attempt.number == job.attempt
+        else session.exec(select(Attempt).where(Attempt.job_id == job.id, Attempt.number == job.attempt)).first()
+    )
     if row is not None and row.excluded_nodes:  # kept off by admission (service.exclusion): Ray's placement too
         env_vars[EXCLUDED_NODES_ENV] = ",".join(row.excluded_nodes)
     resume = resume_uri(session, job, spec)

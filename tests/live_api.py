@@ -60,7 +60,14 @@ def live_api(engine: Engine, tmp_path: Path, *, port: int | None = None, **setti
     runtime = Runtime(settings=conf, engine=engine, ray=NoopJobs(tmp_path / "noop"))
     port = port or free_port()
     server = uvicorn.Server(
-        uvicorn.Config(create_app(runtime=runtime), host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        uvicorn.Config(
+            create_app(runtime=runtime),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=2,
+        )  # open follow streams are cut, not awaited
     )
     thread = threading.Thread(target=server.run, name="live-api", daemon=True)
     thread.start()

@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import traceback
 from typing import TYPE_CHECKING
 
-from service.models import EndReason
+from service.enums import EndReason
 from service.strategy import StrategyKind
 from workers import context
 from workers.drain import drained_value
@@ -184,9 +185,25 @@ def run_name_for(spec, *, job_id: str, attempt: int) -> str:  # noqa: ANN001
     return job_id if spec.checkpoint.resume_from == "latest" else f"{job_id}-attempt{attempt}"
 
 
+TIMING: dict[str, float] = {}  # when this driver reached each step of its start (epoch seconds): logged at fit()
+
+
+def process_started_at() -> float:
+    """When this process was created (the interpreter's own start-up included)."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # noqa: BLE001 - a timing only
+        return time.time()
+
+
 def main() -> int:
+    TIMING["process_started"] = process_started_at()
+    TIMING["driver_imported"] = time.time()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s shunter-driver %(levelname)s %(message)s")
     spec = context.job_spec()
+    TIMING["spec_read"] = time.time()
     job_id = context.job_id() or "adhoc"
     attempt = context.attempt()
     storage = os.environ.get(context.ENV_STORAGE) or os.path.abspath("shunter-checkpoints")
@@ -197,6 +214,7 @@ def main() -> int:
     import ray
 
     ray.init(log_to_driver=True)
+    TIMING["ray_connected"] = time.time()
     reason, message = run(spec, job_id=job_id, attempt=attempt, storage=storage, api=api)
     log.info("attempt ended: %s", reason.value)
     return 0 if reason is EndReason.SUCCEEDED else 1
@@ -208,6 +226,9 @@ def run(spec: JobSpec, *, job_id: str, attempt: int, storage: str, api: AttemptA
     reason, message = EndReason.SUCCEEDED, "succeeded"
     try:
         trainer = build_trainer(spec, job_id=job_id, attempt=attempt, storage=storage, api=api)
+        TIMING["fit"] = time.time()
+        # Where the start of an attempt went, for `bench/orchestration.py`'s breakdown (and anyone reading the log).
+        log.info("timing: %s", " ".join(f"{k}={v:.3f}" for k, v in TIMING.items()))
         result = trainer.fit()
         log.info("training finished; final checkpoint: %s", getattr(result.checkpoint, "path", None))
         if api is not None:
@@ -229,6 +250,11 @@ def run(spec: JobSpec, *, job_id: str, attempt: int, storage: str, api: AttemptA
             from workers.progress import warn_if_never_reported
 
             warn_if_never_reported(api, expected=expected.value)
+        if api is not None:
+            # The run's last word, once its final report has landed: the dispatcher ends the attempt on it at once,
+            # rather than when Ray Train's teardown and this process's exit let Ray call the Ray Job ended.
+            _record_end(api, reason, message)
+        return reason, message
     except KeyboardInterrupt:
         reason, message = EndReason.CANCELLED, "stopped by request"
     except Exception as exc:  # noqa: BLE001 - classified, recorded, and printed in full below

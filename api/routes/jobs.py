@@ -64,9 +64,9 @@ JobId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-
 
 
 def to_public(job: Job, session: Session) -> JobPublic:
-    snap = session.get(ClusterSnapshot, 1)
     sub_id = submission_id(job.id, job.attempt) if job.attempt else None
-    dashboard = f"{snap.dashboard_url}/#/jobs/{sub_id}" if snap and snap.dashboard_url and sub_id else None
+    snap = session.get(ClusterSnapshot, 1) if sub_id else None  # a job never admitted has no Ray Job to link to
+    dashboard = f"{snap.dashboard_url}/#/jobs/{sub_id}" if snap and snap.dashboard_url else None
     loss = (job.latest_metrics or {}).get("loss")
     return JobPublic.model_validate(job).model_copy(
         update={"ray_submission_id": sub_id, "ray_dashboard_url": dashboard, "loss": loss}
@@ -291,7 +291,7 @@ def job_logs(
     rows = {a.number: a for a in jobs.attempts(session, job)}
     if number not in rows:
         raise NotFound(f"job {job_id} has no attempt {number}")
-    row = rows[number]
+    row = _final_log_awaited(runtime.engine, job.id, rows[number])
     # The path is built from ids, never read from the row: a row's log_uri names no file the API will open.
     stored = open_stored(files.log_path(job.id, number))
     if stored is not None:
@@ -309,6 +309,23 @@ def job_logs(
     data = data or b""
     start, end = byte_range(bytes_reader(data), len(data), offset=offset, tail=tail, limit=limit_bytes)
     return Response(data[start:end], media_type=TEXT, headers={"X-Next-Offset": str(end)})
+
+
+LATE_LOG_WAIT_SECONDS = 15.0
+
+
+def _final_log_awaited(engine: Engine, job_id: str, row: Attempt) -> Attempt:
+    """An attempt ended on its driver's word has its whole log kept once its Ray Job exits, seconds later (Ray's
+    teardown; worker lines Ray still forwards): a read in between waits for that, up to `LATE_LOG_WAIT_SECONDS`,
+    so that the log of a job seen SUCCEEDED is whole. Past that, what Ray has now."""
+    deadline = time.monotonic() + LATE_LOG_WAIT_SECONDS
+    while row.driver_ended_at is not None and row.ray_status is None and time.monotonic() < deadline:
+        time.sleep(0.25)
+        _, fresh = _attempt_state(engine, job_id, row.number)
+        if fresh is None:
+            break
+        row = fresh
+    return row
 
 
 def ray_logs_of(app: FastAPI) -> RayLogs:
@@ -360,7 +377,9 @@ async def _follow(
             continue
         if number is None:
             number = row.number
-        ended = row.ended_at is not None
+        # An attempt ended on its driver's word has its log kept once its Ray Job has exited (service.late_logs):
+        # until then its last lines are still to come from Ray.
+        ended = row.ended_at is not None and not (row.driver_ended_at is not None and row.ray_status is None)
         # Once the attempt has ended its stored copy is final: read on from where we are (or Ray, if it was not kept).
         path = files.log_path(job_id, number)
         size = await asyncio.to_thread(stored_size, path) if ended else None

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from api.deps import CallerDep, SessionDep, SettingsDep
 from api.schemas import ERROR_RESPONSES
-from service import queues
+from service import queues, signals
 from service.errors import Forbidden
 from service.jobs import Caller
 from service.numbers import NoBoolNumbers
@@ -100,6 +100,7 @@ def put_queue(
     if not caller.admin:
         raise Forbidden("only an admin may change queues")
     queues.put(session, name, limits.to_limit())
+    signals.publish(session, signals.ADMISSION)  # new limits may let queued jobs start
     session.commit()
     return _public(next(v for v in queues.overview(session, settings) if v.name == name), caller)
 

@@ -268,8 +268,12 @@ def test_spread_job_across_two_nodes_survives_dispatcher_kill(deployment: Deploy
         ray = RayJobs(deployment.head.dashboard_url)
         try:
             assert ray.list_submission_ids(prefix=f"shunter-{job.id}-") == [sub_id]
+            # The job ended on its driver's word, once its final report landed; Ray's own end of the Ray Job follows
+            # when Ray Train's teardown and the driver's exit are done, and it must be a success too.
+            wait_for(lambda: getattr(ray.info(sub_id), "status", None) in ("SUCCEEDED", "FAILED", "STOPPED"),
+                     timeout=120, what="Ray's end of the Ray Job")  # fmt: skip
             info = ray.info(sub_id)
-            assert info is not None and info.status == "SUCCEEDED"
+            assert info is not None and info.status == "SUCCEEDED", info
         finally:
             ray.close()
         assert len(watch_api.attempts(job.id)) == 1

@@ -97,6 +97,7 @@ def test_an_hf_trainer_script_saves_on_the_notice_and_resumes_from_it(multinode:
             drained = next(node for node in multinode.workers.values() if node.node_id in on)
             announced = drain_node(multinode.head.gcs_address, drained.node_id, deadline_s=DEADLINE_S)
             wait_for(lambda: c.get(job.id).attempt >= 2, timeout=DEADLINE_S, what="a second attempt")
+            print(f"second attempt {time.monotonic() - announced:.1f}s after the notice (deadline {DEADLINE_S}s)")
             time.sleep(max(0.0, DEADLINE_S - (time.monotonic() - announced)))
             multinode.cluster.remove_node(drained, allow_graceful=False)
             done = c.wait(job.id, timeout=300)

@@ -57,10 +57,20 @@ def test_submit_runs_to_success_with_checkpoint(service: Service, ray_head: Loca
         changes = [(e.from_state, e.to_state) for e in c.events(job.id) if e.kind == "state"]
         assert changes == [(None, "QUEUED"), ("QUEUED", "STARTING"), ("STARTING", "RUNNING"), ("RUNNING", "SUCCEEDED")]
         assert any(e.reason == "ray_job_submitted" for e in c.events(job.id))
-        # Ray agrees, under the deterministic submission id.
-        info = RayJobs(ray_head.dashboard_url).info(f"shunter-{job.id}-1")
-        assert info is not None and info.status == "SUCCEEDED"
+        # It ended on its driver's word, before Ray's teardown let Ray call the Ray Job ended; Ray agrees once it
+        # has, under the deterministic submission id, and the attempt's log is kept then.
+        ray = RayJobs(ray_head.dashboard_url)
+        info = wait_for(lambda: (i := ray.info(f"shunter-{job.id}-1")) is not None and i.is_terminal and i,
+                        timeout=60, what="Ray's end of the job")  # fmt: skip
+        assert info.status == "SUCCEEDED"
         assert job.ray_submission_id == f"shunter-{job.id}-1"
+        ray_end = httpx.get(f"{ray_head.dashboard_url}/api/jobs/shunter-{job.id}-1", timeout=10).json()["end_time"]
+        succeeded = next(e.at for e in c.events(job.id) if e.to_state == "SUCCEEDED")
+        assert succeeded.timestamp() < ray_end / 1000, "the job's end waited for Ray's teardown"
+        kept = wait_for(lambda: (a := c.attempts(job.id)[0]).ray_status == "SUCCEEDED" and a, timeout=30,
+                        what="the attempt's log kept once Ray's job ended")  # fmt: skip
+        assert kept.end_reason == "succeeded"
+        assert "done: 30 steps" in (service.data_dir / "logs" / job.id / "attempt-1.log").read_text()
         # Logs come from the driver, worker output included, and stay readable from shunter's copy.
         logs = c.logs(job.id)
         assert "done: 30 steps" in logs

@@ -110,7 +110,11 @@ def test_jobs_with_drivers_off_the_head_outlive_a_head_restart(tmp_path: Path, c
             metrics = http.get(f"/v1/jobs/{job['id']}/metrics", params={"name": "loss"}).json()
             steps = Counter(m["step"] for m in metrics)
             assert sorted(steps) == list(range(1, 61)) and set(steps.values()) == {1}, steps
-            ray = ray_job(cluster, f"shunter-{job['id']}-1")
+            # The job ended on its driver's word; Ray's own end of the Ray Job follows once the driver has exited.
+            sub_id = f"shunter-{job['id']}-1"
+            wait_for(lambda s=sub_id: ray_job(cluster, s)["status"] in ("SUCCEEDED", "FAILED", "STOPPED"), timeout=120,
+                     what="Ray's end of the Ray Job")  # fmt: skip
+            ray = ray_job(cluster, sub_id)
             assert ray["status"] == "SUCCEEDED", ray
         ray_ids = httpx.get(f"{cluster.dashboard_url}/api/jobs/", timeout=10).json()
         assert sorted(j["submission_id"] for j in ray_ids if j["submission_id"].startswith("shunter-")) == sorted(

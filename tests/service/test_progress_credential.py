@@ -270,8 +270,14 @@ def test_bodies_are_size_bounded_and_ends_are_the_drivers_own(api: LiveApi) -> N
 
     chunked = httpx.post(f"{api.url}/internal/v1/attempts/{a}/1/report", content=chunks(), headers=headers)
     assert chunked.status_code == 413
-    for reason in ("succeeded", "preempted", "timeout", "nonsense"):
+    # Preemption and timeouts are the dispatcher's decisions, never the driver's to claim.
+    for reason in ("preempted", "timeout", "nonsense"):
         assert _call(api, "POST", f"{a}/1/end", token, {"reason": reason}).status_code == 422, reason
+    # Success is: its train function returned (what a Ray Job's SUCCEEDED says too), recorded once.
+    said = _call(api, "POST", f"{a}/1/end", token, {"reason": "succeeded", "message": "succeeded"})
+    assert said.status_code == 200 and said.json() == {"recorded": True}
+    again = _call(api, "POST", f"{a}/1/end", token, {"reason": "user_error", "message": "changed my mind"})
+    assert again.status_code == 200 and again.json() == {"recorded": False}
 
 
 # ---- nothing of the service's reaches a job ------------------------------------------------------------------------

@@ -107,6 +107,40 @@ ROWS = [
     ("preempted job stopped: requeue reason", JobFacts(S.RUNNING, preempt_requested_at=ago(61)),
      AttemptFacts(True, ago(99), R.PREEMPTED), "STOPPED",
      [Finish(R.PREEMPTED, "STOPPED", ray_status="STOPPED", keep_logs=True)]),
+    # The driver's own last word, sent once its run's result was final: the attempt ends on it, Ray still tearing down.
+    ("driver said it succeeded, Ray still running: ends now", JobFacts(S.RUNNING, step=9),
+     AttemptFacts(True, ago(9), R.SUCCEEDED, driver_ended=True), "RUNNING",
+     [Finish(R.SUCCEEDED, "the driver's own account", log_later=True)]),
+    ("driver said it failed, Ray still running: ends now", JobFacts(S.RUNNING, step=9),
+     AttemptFacts(True, ago(9), R.USER_ERROR, driver_ended=True), "RUNNING",
+     [Finish(R.USER_ERROR, "the driver's own account", log_later=True)]),
+    ("driver's word before any report", JobFacts(S.STARTING), AttemptFacts(True, ago(9), R.OUT_OF_MEMORY,
+     driver_ended=True), "RUNNING", [Finish(R.OUT_OF_MEMORY, "the driver's own account", log_later=True)]),
+    ("driver's word found on adoption", JobFacts(S.RUNNING, step=9),
+     AttemptFacts(False, ago(9), R.SUCCEEDED, driver_ended=True), "RUNNING",
+     [MarkSubmitted(adopted=True), Finish(R.SUCCEEDED, "the driver's own account", log_later=True)]),
+    ("cancel wins over the driver's failure", JobFacts(S.CANCELLING),
+     AttemptFacts(True, ago(9), R.USER_ERROR, driver_ended=True), "RUNNING",
+     [Finish(R.CANCELLED, "the driver's own account", log_later=True)]),
+    ("the driver's success wins over a cancel", JobFacts(S.CANCELLING),
+     AttemptFacts(True, ago(9), R.SUCCEEDED, driver_ended=True), "RUNNING",
+     [Finish(R.SUCCEEDED, "the driver's own account", log_later=True)]),
+    # A drain or a node loss costs no attempt once the dispatcher saw the node go: such a claim waits for Ray's end.
+    ("driver claims its node drained, Ray still running: wait for Ray", JobFacts(S.RUNNING, step=9),
+     AttemptFacts(True, ago(9), R.NODE_DRAINING, driver_ended=True), "RUNNING", [Wait("Ray says RUNNING")]),
+    ("driver claims its node was lost, Ray still running: wait for Ray", JobFacts(S.RUNNING, step=9),
+     AttemptFacts(True, ago(9), R.NODE_LOST, driver_ended=True), "RUNNING", [Wait("Ray says RUNNING")]),
+    ("driver claimed a drain, then Ray ended: Ray's end, the claim its reason", JobFacts(S.RUNNING, step=9),
+     AttemptFacts(True, ago(9), R.NODE_DRAINING, driver_ended=True), "FAILED",
+     [Finish(R.NODE_DRAINING, "FAILED", ray_status="FAILED", keep_logs=True)]),
+    ("driver's word, then Ray ended: Ray's end, log kept now", JobFacts(S.RUNNING, step=9),
+     AttemptFacts(True, ago(9), R.SUCCEEDED, driver_ended=True), "SUCCEEDED",
+     [Finish(R.SUCCEEDED, "SUCCEEDED", ray_status="SUCCEEDED", keep_logs=True)]),
+    ("driver's word, then Ray forgot the job: the word stands", JobFacts(S.RUNNING, step=9),
+     AttemptFacts(True, ago(9), R.SUCCEEDED, driver_ended=True), None,
+     [Finish(R.SUCCEEDED, "the driver's own account", log_later=True)]),
+    ("a stop of ours recorded first is not the driver's word: wait for Ray", JobFacts(S.RUNNING, timeout_seconds=5),
+     AttemptFacts(True, ago(9), R.TIMEOUT), "RUNNING", [Stop(R.TIMEOUT, "ran past timeout_seconds=5")]),
     ("not our lease: hands off", JobFacts(S.RUNNING, leased_to_me=False), AttemptFacts(True, ago(9)), "FAILED",
      [Wait("held by another dispatcher")]),
     ("not our lease, not submitted: no submission", JobFacts(S.STARTING, leased_to_me=False),
@@ -226,6 +260,14 @@ def test_a_driver_on_a_dead_node_ends_the_attempt(
     assert (type(last).__name__, getattr(last, "reason", None)) == expected, actions
     if isinstance(last, Finish) and last.reason is not R.SUCCEEDED:
         assert node is not None and node[:12] in last.message, last.message
+
+
+def test_the_drivers_last_word_beats_its_dead_node() -> None:
+    """A driver that said its run succeeded, then lost its node while exiting: the run's result stands."""
+    attempt = AttemptFacts(True, ago(9), R.SUCCEEDED, driver_ended=True)
+    info = ray("RUNNING", driver_node_id=WORKER)
+    actions = decide(JobFacts(S.RUNNING, step=5), attempt, info, now=NOW, patience=PATIENCE, dead_nodes={WORKER: False})
+    assert actions == [Finish(R.SUCCEEDED, "the driver's own account", log_later=True)]
 
 
 def test_without_a_node_table_nothing_is_presumed_dead() -> None:
