@@ -20,25 +20,29 @@ def held_back(session: Session, *, now: datetime) -> ColumnElement[bool] | None:
     """A condition on `jobs` that leaves out the queued members `max_parallel` holds in this pass (None: nothing
     held), after writing each one's `state_reason` (only where it changed: no write on a quiet pass)."""
     ready = or_(col(Job.not_before).is_(None), col(Job.not_before) <= now)
+    # By ix_jobs_sweep_state, a probe per capped sweep: joined, the planner read every queued job for it.
+    capped = select(Sweep.id).where(col(Sweep.max_parallel).is_not(None))
     rows = session.exec(
-        select(Job.id, Job.sweep_id, Job.sweep_index, Job.state_reason, Sweep.max_parallel)
-        .join(Sweep, col(Sweep.id) == col(Job.sweep_id))
-        .where(Job.state == JobState.QUEUED, col(Sweep.max_parallel).is_not(None), ready)
+        select(Job.id, Job.sweep_id, Job.sweep_index, Job.state_reason).where(
+            col(Job.sweep_id).in_(capped), Job.state == JobState.QUEUED, ready
+        )
     ).all()
     if not rows:
         return None
-    limits = {sweep_id: int(limit) for _, sweep_id, _, _, limit in rows}
+    sweep_ids = sorted({str(sweep_id) for _, sweep_id, _, _ in rows})
+    limits = {str(sweep_id): int(limit) for sweep_id, limit in session.exec(
+        select(Sweep.id, Sweep.max_parallel).where(col(Sweep.id).in_(sweep_ids))).all()}  # fmt: skip
     counted = session.exec(
         select(Job.sweep_id, func.count())
         .where(col(Job.sweep_id).in_(list(limits)), col(Job.state).in_(list(ACTIVE_STATES)))
         .group_by(col(Job.sweep_id))
     ).all()
     active = {str(sweep_id): int(n) for sweep_id, n in counted}
-    queued = [sweep_policy.Queued(job_id, str(sweep_id), int(index or 0)) for job_id, sweep_id, index, _, _ in rows]
+    queued = [sweep_policy.Queued(job_id, str(sweep_id), int(index or 0)) for job_id, sweep_id, index, _ in rows]
     held = sweep_policy.hold(queued, active, limits)
     if not held:
         return None
-    said = {job_id: reason for job_id, _, _, reason, _ in rows}
+    said = {job_id: reason for job_id, _, _, reason in rows}
     changed: dict[str, list[str]] = {}
     for job_id, why in held.items():
         if said[job_id] != why:

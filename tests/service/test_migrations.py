@@ -30,6 +30,17 @@ def test_migrated_schema_matches_the_models(db: Engine) -> None:
     diff = [d for d in diff if not (d[0].endswith("_index") and d[1].name in EXPRESSION_INDEXES)]
     assert diff == []
     assert set(EXPRESSION_INDEXES) <= {ix["name"] for ix in inspect(db).get_indexes("jobs")}
+    # ... and as the models define them: on SQLite a batch migration of `jobs` rebuilt them from reflection, which
+    # dropped their DESC, and every admission pass sorted the whole queue.
+    for name in EXPRESSION_INDEXES:
+        assert "priority DESC" in _index_sql(db, name), name
+
+
+def _index_sql(db: Engine, name: str) -> str:
+    with db.connect() as conn:
+        if db.dialect.name == "sqlite":
+            return str(conn.execute(text("SELECT sql FROM sqlite_master WHERE name = :n"), {"n": name}).scalar())
+        return str(conn.execute(text("SELECT indexdef FROM pg_indexes WHERE indexname = :n"), {"n": name}).scalar())
     assert current(db) is not None
     upgrade(db)  # idempotent: a second start finds the schema at head
 
