@@ -33,6 +33,7 @@ from sqlmodel import Session, col, select
 
 from service import fairshare, forecast, queues, standing
 from service.admission import candidate
+from service.db import base_engine
 from service.models import ACTIVE_STATES, Attempt, ClusterSnapshot, EndReason, Job, JobState, utcnow
 from service.settings import Settings
 from service.spec import JobSpec
@@ -88,27 +89,35 @@ def estimates(
     session: Session, settings: Settings, *, now: datetime | None = None, cached: bool = True, job_id: str | None = None
 ) -> dict[str, Standing]:
     """Every queued job's position and estimated start. Per process, an answer is reused for CACHE_SECONDS, or
-    COST_FACTOR times what it took if longer; a job queued since is answered by a new one only once that much of
-    its cost has passed too (before, it has no standing yet); one thread computes while the others reuse the last
-    answer. `now` (a simulated clock) always computes afresh."""
+    COST_FACTOR times what it took if longer; a job queued since is answered by a new one at once while answers
+    cost under INLINE_SECONDS, else only once that much of its cost has passed too (before, it has no standing yet);
+    one thread computes while the others reuse the last answer. `now` (a simulated clock) always computes afresh."""
     if now is not None or not cached:
         return _compute(session, settings, now or utcnow())
     key = str(settings.database_url)
     with _locks_guard:
         lock = _locks.setdefault(key, threading.Lock())
     hit = _cache.get(key)
+    asked = time.monotonic()
     if hit is not None:
-        age = time.monotonic() - hit.at
+        age = asked - hit.at
         if age < max(CACHE_SECONDS, COST_FACTOR * hit.cost) and (job_id is None or job_id in hit.result):
             return hit.result
-        if age < COST_FACTOR * hit.cost or not lock.acquire(blocking=False):
+        # A job queued since the answer (one just submitted, read back at once) waits for a new answer when answers
+        # are cheap; of a deep queue's costly answer it gets none until that much of its cost has passed.
+        cheap = job_id is not None and hit.cost < INLINE_SECONDS
+        if (age < COST_FACTOR * hit.cost and not cheap) or not lock.acquire(blocking=cheap):
             return hit.result  # too soon for its cost, or being computed right now
     else:
         lock.acquire()
     try:
         hit = _cache.get(key)
-        if hit is not None and time.monotonic() - hit.at < CACHE_SECONDS and (job_id is None or job_id in hit.result):
-            return hit.result  # another thread computed it while this one waited
+        if hit is not None and (
+            hit.at >= asked or (time.monotonic() - hit.at < CACHE_SECONDS and (job_id is None or job_id in hit.result))
+        ):
+            # Another thread computed it while this one waited: one answer serves every read that waited for it,
+            # so many reads of a job that is in no answer (one waiting on dependencies) cost one compute, not many.
+            return hit.result
         started = time.monotonic()
         result = _compute(session, settings, utcnow())
         _cache[key] = _Cached(time.monotonic(), time.monotonic() - started, result)
@@ -138,8 +147,7 @@ def estimates_nowait(session: Session, settings: Settings) -> dict[str, Standing
     with _locks_guard:
         busy = _locks.setdefault(key, threading.Lock()).locked()
     if stale and not busy:
-        bind = session.get_bind()
-        engine = bind.engine if hasattr(bind, "engine") else bind
+        engine = base_engine(session.get_bind())  # (a request's write bind would make its reads write transactions)
         threading.Thread(target=_refresh, args=(engine, settings), name="estimates", daemon=True).start()
     return hit.result if hit is not None else {}
 

@@ -6,6 +6,7 @@ same numbers.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 
@@ -30,47 +31,86 @@ def held(active: Iterable[Job], resources_of: Callable[[Job], dict[str, float]])
     return out
 
 
-def _uses(session: Session, since: datetime) -> list[tuple[Attempt, str, str | None, str]]:
-    """Attempts running now or ended after `since`, with their job's owner, team and queue."""
-    query = (
-        select(Attempt, Job.owner, Job.team, Job.queue)
-        .join(Job, col(Job.id) == col(Attempt.job_id))
-        .where(or_(col(Attempt.ended_at).is_(None), col(Attempt.ended_at) > since))
+def _uses(
+    session: Session, since: datetime, until: datetime | None = None
+) -> list[tuple[Attempt, str, str | None, str]]:
+    """Attempts ended after `since` and, without `until`, those running now; with `until`, only those ended by then."""
+    ended_since = col(Attempt.ended_at) > since
+    where = (
+        or_(col(Attempt.ended_at).is_(None), ended_since)
+        if until is None
+        else ended_since & (col(Attempt.ended_at) <= until)
     )
+    query = select(Attempt, Job.owner, Job.team, Job.queue).join(Job, col(Job.id) == col(Attempt.job_id)).where(where)
     return [tuple(row) for row in session.exec(query).all()]  # type: ignore[misc]
 
 
-_usage_cache: dict[tuple[str, str], tuple[datetime, Usage]] = {}
+# Attempts that ended this long before a read are settled: their usage only decays from then on, so each process
+# reads them once per `refresh_seconds`. Anything running or ended since is read again a second later: an attempt
+# that ends (or starts) right after a read counts within that second, as it did not when the whole answer was kept
+# (a job that ended on its driver's word a few seconds after it started left its owner's usage near zero for up to
+# 30 s, and the owner's next job was admitted ahead of an owner who had used nothing). The margin covers an end
+# recorded with a timestamp a little before its commit.
+SETTLED_MARGIN = timedelta(minutes=5)
+
+# The recent part's answer is kept RECENT_SECONDS of the service's clock, or RECENT_COST_FACTOR times what its read
+# took if longer: at hundreds of claims a second every attempt of the bench is recent, and an admission pass must not
+# read them all each time. Within that second an end is seen late by at most that second's usage.
+RECENT_SECONDS = 1.0
+RECENT_COST_FACTOR = 10.0
+
+_usage_cache: dict[tuple[str, str], tuple[datetime, datetime, Usage]] = {}
+_recent_cache: dict[tuple[str, str], tuple[datetime, datetime, float, Usage]] = {}  # (read at, cut, cost, usage)
 _usage_lock = threading.Lock()
 
 
 def fair_usage(session: Session, config: FairShare, now: datetime, *, cached: bool = True) -> Usage:
     """Decayed usage per team and owner (running attempts up to now); nothing older than the horizon is read.
 
-    It reads every attempt of the horizon, so each process keeps the answer for `config.refresh_seconds` of the
-    service's clock: usage decays over hours, and within a pass each placed job's projection keeps the order fair.
+    Usage of attempts that ended over `SETTLED_MARGIN` before a read is kept for `config.refresh_seconds` of the
+    service's clock and decayed to `now` (it only decays); attempts running or ended since are read again after
+    RECENT_SECONDS (or RECENT_COST_FACTOR times their read's cost).
     """
     if not config.enabled:
         return Usage()
     key = (str(session.get_bind().url), repr(config))
     with _usage_lock:
         hit = _usage_cache.get(key)
-    if cached and hit is not None and timedelta(0) <= now - hit[0] < timedelta(seconds=config.refresh_seconds):
-        return Usage(dict(hit[1].teams), dict(hit[1].owners))
-    usage = _read_usage(session, config, now)
+    if not (cached and hit is not None and timedelta(0) <= now - hit[0] < timedelta(seconds=config.refresh_seconds)):
+        cut = now - SETTLED_MARGIN
+        hit = (now, cut, usage_of(_use_rows(_uses(session, _horizon(config, now), until=cut)), cut.timestamp(), config))
+        with _usage_lock:
+            _usage_cache[key] = hit
+    _, cut, settled = hit
+    factor = 2.0 ** (-(now - cut).total_seconds() / config.half_life_seconds)
+    out = Usage({k: v * factor for k, v in settled.teams.items()}, {k: v * factor for k, v in settled.owners.items()})
     with _usage_lock:
-        _usage_cache[key] = (now, usage)
-    return Usage(dict(usage.teams), dict(usage.owners))
+        kept = _recent_cache.get(key)
+    if (
+        cached
+        and kept is not None
+        and kept[1] == cut
+        and timedelta(0) <= now - kept[0] < timedelta(seconds=max(RECENT_SECONDS, RECENT_COST_FACTOR * kept[2]))
+    ):
+        recent = kept[3]
+    else:
+        started = time.monotonic()
+        recent = usage_of(_use_rows(_uses(session, cut)), now.timestamp(), config)
+        with _usage_lock:
+            _recent_cache[key] = (now, cut, time.monotonic() - started, recent)
+    for team, amount in recent.teams.items():
+        out.teams[team] = out.teams.get(team, 0.0) + amount
+    for owner, amount in recent.owners.items():
+        out.owners[owner] = out.owners.get(owner, 0.0) + amount
+    return out
 
 
-def _read_usage(session: Session, config: FairShare, now: datetime) -> Usage:
-    since = _horizon(config, now)
-    uses = (
+def _use_rows(rows: Iterable[tuple[Attempt, str, str | None, str]]) -> Iterable[Use]:
+    return (
         Use(owner, team, {"CPU": a.cpus, "GPU": a.gpus}, a.started_at.timestamp(),
             a.ended_at.timestamp() if a.ended_at else None)
-        for a, owner, team, _ in _uses(session, since)
+        for a, owner, team, _ in rows
     )  # fmt: skip
-    return usage_of(uses, now.timestamp(), config)
 
 
 def recent_owners(session: Session, config: FairShare, now: datetime) -> dict[tuple[str, str], str | None]:

@@ -4,6 +4,7 @@ app: tests/api/test_position.py; against what then happens, at scale: tests/serv
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -19,6 +20,7 @@ from service.forecast import Arrivals, Policy, Runner, Waiter, forecast
 from service.models import Attempt, EndReason, Job, JobState
 from service.quotas import QueueLimit, Quota, Quotas
 from service.scheduler import Candidate
+from service.settings import Settings
 
 CPU = "CPU"
 FIFO = Policy(fair=FairShare(enabled=False))
@@ -256,20 +258,16 @@ def test_a_listing_never_waits_for_a_deep_queues_estimate(db: Engine, monkeypatc
     """`estimates_nowait` (GET /v1/jobs?positions=true): with no answer yet and a queue deeper than INLINE_QUEUED it
     answers at once with no places and computes in a thread of its own; the next listing has them. Once an answer
     was cheap (under INLINE_SECONDS), a listing computes its own, fresh one."""
-    from service.models import ClusterSnapshot
-    from service.settings import Settings
     from tests.conftest import wait_for
 
     with Session(db) as session:
-        session.merge(ClusterSnapshot(id=1, total={"CPU": 1.0}, available={"CPU": 1.0},
-                                      nodes=[{"node_id": "n", "alive": True, "total": {"CPU": 1.0}}]))  # fmt: skip
+        _one_cpu_cluster(session)
         for i in range(3):
             _job(session, f"q{i}", "alice", created=NOW + timedelta(seconds=i), state=JobState.QUEUED)
         session.commit()
-    settings = Settings(database_url=f"{db.url.render_as_string(hide_password=False)}#nowait")
+    settings = _uncached_settings(db, "nowait")
     monkeypatch.setattr(estimate, "INLINE_QUEUED", 2)  # three queued: "deep"
     monkeypatch.setattr(estimate, "INLINE_SECONDS", 0.0)  # no answer is cheap enough to compute inline
-    estimate._cache.pop(str(settings.database_url), None)
     with Session(db) as session:
         assert estimate.estimates_nowait(session, settings) == {}
     placed = wait_for(lambda: estimate._cache.get(str(settings.database_url)), timeout=30, what="the thread's answer")
@@ -284,3 +282,83 @@ def test_a_listing_never_waits_for_a_deep_queues_estimate(db: Engine, monkeypatc
         session.commit()
         estimate._cache[str(settings.database_url)].at -= 3600  # stale
         assert sorted(estimate.estimates_nowait(session, settings)) == ["q0", "q1", "q2", "q3"]
+
+
+def test_a_job_read_right_after_its_submit_has_its_place_while_answers_are_cheap(
+    db: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GET /v1/jobs/{id} of a job queued after the last answer (fresh, so reused for a listing) computes a new answer
+    when answers cost under INLINE_SECONDS; of a costly answer (a deep queue) it waits COST_FACTOR times its cost."""
+    with Session(db) as session:
+        _one_cpu_cluster(session)
+        _job(session, "q0", "alice", created=NOW, state=JobState.QUEUED)
+        session.commit()
+    settings = _uncached_settings(db, "read-back")
+    key = str(settings.database_url)
+    with Session(db) as session:
+        assert sorted(estimate.estimates(session, settings, job_id="q0")) == ["q0"]
+        _job(session, "q1", "bob", created=NOW + timedelta(seconds=1), state=JobState.QUEUED)
+        session.commit()
+        assert sorted(estimate.estimates(session, settings)) == ["q0"]  # a listing reuses the fresh answer
+        got = estimate.estimates(session, settings, job_id="q1")
+        assert sorted(got) == ["q0", "q1"] and got["q1"].position == 2
+        _job(session, "q2", "carol", created=NOW + timedelta(seconds=2), state=JobState.QUEUED)
+        session.commit()
+        monkeypatch.setattr(estimate, "INLINE_SECONDS", 0.0)  # every answer costly: too soon for a new one
+        estimate._cache[key] = estimate._Cached(time.monotonic(), 3600.0, got)
+        assert "q2" not in estimate.estimates(session, settings, job_id="q2")
+
+
+def test_reads_of_a_job_in_no_answer_that_waited_together_share_one_compute(
+    db: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job waiting on its dependencies is in no answer: eight reads of it at once, behind one compute in flight,
+    take that compute's answer instead of each computing again (a user hammering it would hold up everyone's reads)."""
+    import threading
+
+    with Session(db) as session:
+        _one_cpu_cluster(session)
+        _job(session, "q0", "alice", created=NOW, state=JobState.QUEUED)
+        session.commit()
+    settings = _uncached_settings(db, "shared")
+    real, computes, gate = estimate._compute, [], threading.Event()
+
+    def counted(*args: object) -> object:
+        computes.append(1)
+        gate.wait(10)  # every reader is waiting by the time this answer lands
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(estimate, "_compute", counted)
+    with Session(db) as session:
+        gate.set()
+        estimate.estimates(session, settings)  # a first, cheap answer: reads of a job not in it wait for a new one
+    gate.clear()
+    computes.clear()
+
+    def read() -> None:
+        with Session(db) as session:
+            estimate.estimates(session, settings, job_id="waiting-on-a-dependency")
+
+    readers = [threading.Thread(target=read) for _ in range(8)]
+    for reader in readers:
+        reader.start()
+    time.sleep(0.5)
+    gate.set()
+    for reader in readers:
+        reader.join(30)
+    assert len(computes) == 1, f"{len(computes)} computes for 8 reads that waited together"
+
+
+def _one_cpu_cluster(session: Session) -> None:
+    """The cluster snapshot the estimate reads: one live node of 1 CPU."""
+    from service.models import ClusterSnapshot
+
+    session.merge(ClusterSnapshot(id=1, total={"CPU": 1.0}, available={"CPU": 1.0},
+                                  nodes=[{"node_id": "n", "alive": True, "total": {"CPU": 1.0}}]))  # fmt: skip
+
+
+def _uncached_settings(db: Engine, tag: str) -> Settings:
+    """Settings for `db` under a URL of this test's own (`#tag`), with no answer of this process kept for it."""
+    settings = Settings(database_url=f"{db.url.render_as_string(hide_password=False)}#{tag}")
+    estimate._cache.pop(str(settings.database_url), None)
+    return settings

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
+from sqlmodel import Session, col, select
 
 from service import quotas, standing
 from service.fairshare import FairShare, Holding, Usage, Use, decayed, fair_order, shares, usage_of
@@ -851,15 +851,43 @@ def test_owners_without_a_team_share_as_owners_not_as_one_team() -> None:
 
 
 def test_fair_usage_is_reread_after_refresh_seconds(db: Engine) -> None:
-    """Each process reuses what it read for `refresh_seconds` of the service's clock, then reads the attempts again."""
+    """Each process reuses the settled usage it read for `refresh_seconds` of the service's clock (decaying it to each
+    call's now), then reads the attempts again."""
     config = FairShare(half_life_seconds=HOUR, refresh_seconds=30.0)
     add_attempts(db, [("alice", None, "q", 1.0, 0.0, 2.0, 1.0)])
     with Session(db) as session:
         first = standing.fair_usage(session, config, NOW)
     add_attempts(db, [("bob", None, "q", 1.0, 0.0, 2.0, 1.0)])
     with Session(db) as session:
-        assert standing.fair_usage(session, config, NOW + timedelta(seconds=10)).owners == first.owners
+        kept = standing.fair_usage(session, config, NOW + timedelta(seconds=10)).owners  # bob's settled end unread
+        assert kept == pytest.approx({"alice": first.owners["alice"] * 2 ** (-10 / HOUR)}, rel=1e-9)  # decayed to now
         fresh = standing.fair_usage(session, config, NOW + timedelta(seconds=31))
         assert set(fresh.owners) == {"alice", "bob"}
         assert set(standing.fair_usage(session, config, NOW + timedelta(seconds=31), cached=False).owners) == {
             "alice", "bob"}  # fmt: skip
+
+
+def test_an_attempt_that_ends_or_starts_after_a_read_counts_at_the_next_call(db: Engine) -> None:
+    """Only settled usage (attempts ended over `SETTLED_MARGIN` before the read) is reused: an attempt running at the
+    read that ends a few seconds later, and one that starts after it, count at the very next call, as a fresh read
+    counts them. (A job that ended on its driver's word 15 s after it started left its owner at near-zero usage for
+    the rest of the 30 s, and that owner's next job went ahead of an owner who had used nothing.)"""
+    config = FairShare(half_life_seconds=HOUR, refresh_seconds=30.0)
+    add_attempts(db, [("alice", None, "q", 4.0, 0.0, 1 / 360, None), ("dave", None, "q", 1.0, 0.0, 2.0, 1.0)])
+    with Session(db) as session:
+        first = standing.fair_usage(session, config, NOW)
+        assert first.owners["alice"] == pytest.approx(4.0 * 10, rel=0.01)  # 10 s of 4 CPUs so far
+        attempt = session.exec(select(Attempt).where(col(Attempt.ended_at).is_(None))).one()
+        attempt.ended_at = NOW + timedelta(seconds=5)
+        session.add(attempt)
+        session.commit()
+    add_attempts(db, [("bob", None, "q", 2.0, 0.0, -8 / 3600, None)])  # started 8 s after the read
+    later = NOW + timedelta(seconds=12)
+    with Session(db) as session:
+        kept = standing.fair_usage(session, config, later)
+        fresh = standing.fair_usage(session, config, later, cached=False)
+    assert kept.owners == pytest.approx(fresh.owners, rel=1e-9)
+    assert kept.teams == pytest.approx(fresh.teams, rel=1e-9)
+    assert kept.owners["alice"] == pytest.approx(4.0 * 15, rel=0.01)  # all 15 s it ran, not the 10 s of the read
+    assert kept.owners["bob"] == pytest.approx(2.0 * 4, rel=0.01)
+    assert kept.owners["dave"] == pytest.approx(first.owners["dave"] * 2 ** (-12 / HOUR), rel=1e-9)
