@@ -196,14 +196,33 @@ def _port_free(port: int) -> bool:
 
 
 def head_processes(temp_dir: str) -> list[int]:
+    """Every process of the head whose Ray temp dir is `temp_dir`: those naming it on their command line, everything
+    they started (the raylet's agents retitle themselves `ray::DashboardAgent`, `ray::RuntimeEnvAgent`, and the
+    dashboard's modules `ray-dashboard-*`, so no longer name it), and the Ray Client server, which names only the
+    GCS's port. Missed, an agent outlives its head by minutes spinning a core on reconnects (CI's slow tier lost
+    a core to them after every test that stops a head)."""
     import psutil
 
-    pids = []
+    roots: list[psutil.Process] = []
+    ports: set[str] = set()
+    clients: list[tuple[psutil.Process, str]] = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
-        cmdline = " ".join(proc.info.get("cmdline") or [])
-        if temp_dir in cmdline and proc.info["pid"] != os.getpid():
-            pids.append(proc.info["pid"])
-    return pids
+        args = proc.info.get("cmdline") or []
+        if proc.info["pid"] == os.getpid():
+            continue
+        if temp_dir in " ".join(args):
+            roots.append(proc)
+            ports.update(a.split("=", 1)[1] for a in args if a.startswith("--gcs_server_port="))
+        elif "ray.util.client.server" in args:
+            clients.append((proc, next((a.rsplit(":", 1)[-1] for a in args if a.startswith("--address=")), "")))
+    found: dict[int, None] = {}
+    for proc in roots + [proc for proc, port in clients if port in ports]:
+        found[proc.pid] = None
+        with contextlib.suppress(psutil.Error):
+            for child in proc.children(recursive=True):
+                if child.pid != os.getpid():
+                    found[child.pid] = None
+    return list(found)
 
 
 def stop_local_head(data_dir: Path, grace_seconds: float = 5.0) -> None:
@@ -219,7 +238,12 @@ def stop_local_head(data_dir: Path, grace_seconds: float = 5.0) -> None:
     deadline = time.monotonic() + grace_seconds
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.1)
-    for pid in head_processes(temp_dir):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+    # Until none is left: a SIGKILL takes effect a moment later, and a raylet still alive at the first sweep may
+    # have started a worker since (the caller expects the head gone once this returns).
+    deadline = time.monotonic() + grace_seconds
+    while (left := head_processes(temp_dir)) and time.monotonic() < deadline:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
     (data_dir / STATE_FILE).unlink(missing_ok=True)

@@ -3,13 +3,16 @@ again on fresh ports before the error reaches the caller; one that comes up is r
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
+import psutil
 import pytest
 
 from service import ray_local
 from service.errors import InfraError
 from service.ray_local import _temp_dir_for, ensure_local_head, head_processes, stop_local_head
+from tests.conftest import wait_for
 
 
 def test_a_head_that_never_answers_is_stopped_and_tried_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -33,9 +36,43 @@ def test_a_ready_head_is_reattached_not_started_again(tmp_path: Path) -> None:
     data_dir = tmp_path / "head"
     try:
         head = ensure_local_head(data_dir, num_cpus=1, num_gpus=0)
-        pids = sorted(head_processes(head.temp_dir))
+        core = _core(head.temp_dir)
+        assert sorted(core.values()) == ["gcs_server", "raylet"]
         again = ensure_local_head(data_dir, num_cpus=1, num_gpus=0)
-        assert again == head and sorted(head_processes(head.temp_dir)) == pids
+        assert again == head and _core(head.temp_dir) == core
+        # The processes that no longer name the temp dir are the head's too: the raylet's agents (retitled
+        # `ray::DashboardAgent`) and the Ray Client server (it names the GCS's port only).
+        agent = lambda: any(n.startswith("ray::DashboardAgent") for n in _named(head.temp_dir).values())  # noqa: E731
+        wait_for(agent, what="the raylet's dashboard agent")
+        everything = head_processes(head.temp_dir)
+        assert any("ray.util.client.server" in " ".join(_cmdline(pid)) for pid in everything)
     finally:
         stop_local_head(data_dir)
     assert head_processes(_temp_dir_for(data_dir)) == []
+    assert not [pid for pid in everything if _alive(pid)], "a process of the stopped head is still running"
+
+
+def _named(temp_dir: str) -> dict[int, str]:
+    out = {}
+    for pid in head_processes(temp_dir):
+        with contextlib.suppress(psutil.Error):
+            out[pid] = psutil.Process(pid).name() + " " + " ".join(psutil.Process(pid).cmdline())
+    return out
+
+
+def _core(temp_dir: str) -> dict[int, str]:
+    """The head's GCS and raylet (its workers come and go)."""
+    names = {pid: name.split()[0] for pid, name in _named(temp_dir).items()}
+    return {pid: name for pid, name in names.items() if name in ("gcs_server", "raylet")}
+
+
+def _cmdline(pid: int) -> list[str]:
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).cmdline()
+    return []
+
+
+def _alive(pid: int) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    return False
