@@ -11,6 +11,11 @@ import uuid
 
 
 def main() -> None:
+    import time
+
+    import psutil
+
+    timing = {"process_started": psutil.Process().create_time(), "driver_imported": time.time()}
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--report-every", type=int, default=50)
@@ -24,6 +29,7 @@ def main() -> None:
     from bench.ddp import train_loop
 
     ray.init()
+    timing["ray_connected"] = time.time()
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"total_steps": args.steps, "report_every": args.report_every, "out": args.out},
@@ -31,6 +37,8 @@ def main() -> None:
         run_config=RunConfig(name=f"bench-bare-{uuid.uuid4().hex[:8]}", storage_path=tempfile.gettempdir()),
         torch_config=TorchConfig(backend="gloo"),
     )
+    timing["fit"] = time.time()
+    print("timing: " + " ".join(f"{k}={v:.3f}" for k, v in timing.items()), flush=True)  # as shunter's driver logs it
     trainer.fit()
 
 

@@ -2,18 +2,21 @@
 
 claims/s: QUEUED->STARTING events per second, from the first claim to the last (dispatchers are started and idle
 before the jobs are enqueued, so their start-up is not counted). jobs/s: first claim to last SUCCEEDED. Every job
-must be claimed exactly once (checked from the event log).
+must be claimed exactly once (checked from the event log). statements_per_job / commits_per_job: every SQL statement
+(one execute or executemany) and commit the dispatcher processes made from the enqueue to the last SUCCEEDED seen
+(their idle ticks included), counted in each process by bench.statements, over the jobs drained.
 """
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench import common
+from bench import common, statements
 from bench.common import log
 
 
@@ -34,6 +37,7 @@ def drain(kind: str, n_jobs: int, n_dispatchers: int, work: Path) -> dict[str, A
         engine = make_engine(url)
         noop = work / f"noop-{kind}-{n_dispatchers}"
         procs = []
+        counts: list[Path] = []
         try:
             for i in range(n_dispatchers):
                 env = common.base_env(
@@ -41,12 +45,15 @@ def drain(kind: str, n_jobs: int, n_dispatchers: int, work: Path) -> dict[str, A
                     SHUNTER_DATA_DIR=str(work), SHUNTER_DISPATCHER_ID=f"bench-d{i}",
                 )  # fmt: skip
                 logp = work / f"d-{kind}-{n_dispatchers}-{i}.log"
-                procs.append((common.spawn(common.shunter_cmd("dispatcher"), env=env, log_path=logp), logp))
+                counts.append(work / f"count-{kind}-{n_dispatchers}-{i}")
+                cmd = [sys.executable, "-m", "bench.statements", str(counts[-1]), "dispatcher"]
+                procs.append((common.spawn(cmd, env=env, log_path=logp), logp))
             # Idle dispatchers first: each writes the cluster snapshot every tick once its loop runs.
             time.sleep(1.0)
             common.wait_for(lambda: all(p.poll() is None for p, _ in procs)
                             and _ticking(engine), timeout=60, interval=0.2, what="dispatchers idle")  # fmt: skip
             time.sleep(1.0)
+            before = _totals(counts)
             common.enqueue(engine, n_jobs)
 
             def done() -> bool:
@@ -58,6 +65,8 @@ def drain(kind: str, n_jobs: int, n_dispatchers: int, work: Path) -> dict[str, A
                 return count == n_jobs
 
             common.wait_for(done, timeout=300, interval=0.25, what=f"{n_jobs} jobs SUCCEEDED")
+            time.sleep(0.15)  # the count files are written every 0.1 s
+            after = _totals(counts)
         finally:
             for p, _ in procs:
                 common.stop(p)
@@ -78,12 +87,20 @@ def drain(kind: str, n_jobs: int, n_dispatchers: int, work: Path) -> dict[str, A
         "db": kind, "dispatchers": n_dispatchers, "variant": "as is", "jobs": n_jobs,
         "claims_per_s": n_jobs / max(last - first, 1e-6),
         "jobs_per_s": n_jobs / max(last_end - first, 1e-6),
+        "statements_per_job": (after[0] - before[0]) / n_jobs, "commits_per_job": (after[1] - before[1]) / n_jobs,
         "double_claims": double, "claims_by_dispatcher": dict(per_actor),
     }  # fmt: skip
     log(f"part 3: {kind} x{n_dispatchers} {row['variant']}: {row['claims_per_s']:.0f} claims/s, "
-        f"{row['jobs_per_s']:.0f} jobs/s, "
-        f"0 double claims, split {sorted(per_actor.values())}")  # fmt: skip
+        f"{row['jobs_per_s']:.0f} jobs/s, {row['statements_per_job']:.2f} statements and "
+        f"{row['commits_per_job']:.2f} commits per job, 0 double claims, "
+        f"split {sorted(per_actor.values())}")  # fmt: skip
     return row
+
+
+def _totals(counts: list[Path]) -> tuple[int, int]:
+    """Statements and commits of every dispatcher so far."""
+    each = [statements.read(p) for p in counts]
+    return sum(s for s, _ in each), sum(c for _, c in each)
 
 
 def _ticking(engine: Any) -> bool:

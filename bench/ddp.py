@@ -28,7 +28,14 @@ def build_model(hidden: int = HIDDEN) -> nn.Module:
 
 
 def run_steps(
-    model: nn.Module, *, rank: int, world: int, steps: int, out: str | None, report: Callable[[int, float], None]
+    model: nn.Module,
+    *,
+    rank: int,
+    world: int,
+    steps: int,
+    out: str | None,
+    report: Callable[[int, float], None],
+    marks: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     loop_start = time.time()
     gen = torch.Generator().manual_seed(1234 + rank)
@@ -54,6 +61,7 @@ def run_steps(
         "world": world,
         "steps": steps,
         "params": sum(p.numel() for p in model.parameters()),
+        **(marks or {}),  # when this process started and entered the train function (a Ray Train worker's)
         "loop_start_at": loop_start,
         "first_step_at": first_step_at,
         "end_at": time.time(),
@@ -73,8 +81,12 @@ def run_steps(
 
 def train_loop(config: dict[str, Any]) -> None:
     """Ray Train loop (bare Ray Job and shunter): report every `report_every` steps, from every rank."""
+    entered = time.time()
+    import psutil
     import ray.train
     import ray.train.torch
+
+    marks = {"worker_started_at": psutil.Process().create_time(), "train_fn_entered_at": entered}
 
     torch.manual_seed(0)
     ctx = ray.train.get_context()
@@ -86,5 +98,6 @@ def train_loop(config: dict[str, Any]) -> None:
         if step % every == 0 or step == steps:
             ray.train.report({"step": step, "loss": loss})
 
+    marks["model_prepared_at"] = time.time()
     run_steps(model, rank=ctx.get_world_rank(), world=ctx.get_world_size(), steps=steps, out=config.get("out"),
-              report=report)  # fmt: skip
+              report=report, marks=marks)  # fmt: skip

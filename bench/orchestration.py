@@ -23,7 +23,9 @@ def _read(out: Path) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
-def _row(way: str, submit_at: float, done_at: float, summary: dict[str, Any]) -> dict[str, Any]:
+def _row(
+    way: str, submit_at: float, done_at: float, summary: dict[str, Any], phases: dict[str, float] | None = None
+) -> dict[str, Any]:
     return {
         "way": way,
         "end_to_end_s": done_at - submit_at,
@@ -32,7 +34,51 @@ def _row(way: str, submit_at: float, done_at: float, summary: dict[str, Any]) ->
         "step_ms_mean": summary["step_ms_mean"],
         "omp_num_threads": summary["omp_num_threads"],
         "params": summary["params"],
+        **({"first_step_phases_s": phases} if phases else {}),
     }
+
+
+# Submit -> first step of a Ray Job (bare or shunter's), phase by phase, from the timestamps the driver logs
+# (`timing: ...`), the train function's own (bench.ddp) and, for shunter, its events. In order; they add up.
+PHASES = (
+    ("queue and admission", "submitted at", "admitted"),
+    ("Ray Job submission", "admitted", "ray_submitted"),
+    ("Ray Job supervisor start", "ray_submitted", "process_started"),
+    ("driver interpreter and imports", "process_started", "driver_imported"),
+    ("driver set-up (spec, ray.init, trainer)", "driver_imported", "fit"),
+    ("controller and worker group start", "fit", "worker_started_at"),
+    ("worker imports and process group set-up", "worker_started_at", "train_fn_entered_at"),
+    ("model set-up (prepare_model, DDP)", "train_fn_entered_at", "model_prepared_at"),
+    ("first step", "model_prepared_at", "first_step_at"),
+)
+
+
+def driver_timing(log_text: str) -> dict[str, float]:
+    """The last `timing: k=v ...` line of a driver's log (shunter's driver and bench.bare_trainer print one)."""
+    found: dict[str, float] = {}
+    for line in log_text.splitlines():
+        _, sep, rest = line.partition("timing: ")
+        if sep and "=" in rest:
+            try:
+                found = {k: float(v) for k, v in (kv.split("=", 1) for kv in rest.split())}
+            except ValueError:
+                continue
+    return found
+
+
+def phases_of(marks: dict[str, float]) -> dict[str, float]:
+    """Each phase's seconds (a mark missing: the phase merges into the next; a worker process that predates the
+    driver's fit() came from Ray's pool: its start counts as fit())."""
+    marks = dict(marks)
+    if "worker_started_at" in marks and "fit" in marks:
+        marks["worker_started_at"] = max(marks["worker_started_at"], marks["fit"])
+    out: dict[str, float] = {}
+    last = marks.get("submitted at")
+    for name, _, end in PHASES:
+        if end in marks and last is not None:
+            out[name] = max(0.0, marks[end] - last)
+            last = marks[end]
+    return out
 
 
 def run_torchrun(steps: int, work: Path) -> dict[str, Any]:
@@ -59,6 +105,7 @@ def run_bare_ray_job(steps: int, work: Path, head: Any) -> dict[str, Any]:
     env = {"OMP_NUM_THREADS": "1", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": POLL_SECONDS}
     submit_at = time.time()
     sub_id = client.submit_job(entrypoint=entry, runtime_env={"env_vars": env})
+    accepted_at = time.time()
     terminal = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
     status = common.wait_for(
         lambda: (s := client.get_job_status(sub_id)) in terminal and s, timeout=300, interval=0.1, what=sub_id
@@ -66,8 +113,12 @@ def run_bare_ray_job(steps: int, work: Path, head: Any) -> dict[str, Any]:
     done_at = time.time()
     if status != JobStatus.SUCCEEDED:
         raise RuntimeError(f"bare Ray Job {sub_id}: {status}: {client.get_job_logs(sub_id)[-3000:]}")
+    logs = client.get_job_logs(sub_id)
     client.delete_job(sub_id)
-    return _row("bare Ray Job", submit_at, done_at, _read(out))
+    summary = _read(out)
+    marks = {"submitted at": submit_at, "admitted": submit_at, "ray_submitted": accepted_at, **driver_timing(logs),
+             **summary}  # fmt: skip
+    return _row("bare Ray Job", submit_at, done_at, summary, phases_of(marks))
 
 
 def start_service(head: Any, work: Path, **extra: str) -> tuple[Any, str]:
@@ -114,7 +165,16 @@ def run_shunter(steps: int, work: Path, url: str) -> dict[str, Any]:
         done_at = time.time()
         if final.state != "SUCCEEDED":
             raise RuntimeError(f"shunter job {job.id}: {final.state}: {final.last_error}")
-    return _row("shunter", submit_at, done_at, _read(out))
+        events = client.events(job.id)
+        logs = client.logs(job.id)
+    marks: dict[str, float] = {"submitted at": submit_at}
+    for event in events:
+        if event.to_state == "STARTING":
+            marks.setdefault("admitted", event.at.timestamp())
+        if event.reason == "ray_job_submitted":
+            marks.setdefault("ray_submitted", event.at.timestamp())
+    summary = _read(out)
+    return _row("shunter", submit_at, done_at, summary, phases_of({**marks, **driver_timing(logs), **summary}))
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -144,6 +204,11 @@ def run(quick: bool) -> dict[str, Any]:
     summary = {}
     for way in ("torchrun", "bare Ray Job", "shunter"):
         summary[way] = {k: med(way, k) for k in ("end_to_end_s", "submit_to_first_step_s", "step_ms_median")}
+    for way in ("bare Ray Job", "shunter"):
+        runs = [r["first_step_phases_s"] for r in rows if r["way"] == way and r.get("first_step_phases_s")]
+        summary[way]["first_step_phases_s"] = {name: common.median([p.get(name, 0.0) for p in runs])
+                                               for name, _, _ in PHASES if any(name in p for p in runs)}  # fmt: skip
+    _print_phases(summary)
     ratios = {}
     for key in ("end_to_end_s", "submit_to_first_step_s", "step_ms_median"):
         ratios[f"shunter/torchrun {key}"] = summary["shunter"][key] / summary["torchrun"][key]
@@ -164,6 +229,16 @@ def run(quick: bool) -> dict[str, Any]:
             "submit->first step < bare Ray Job": ratios["shunter/bare Ray Job submit_to_first_step_s"] < 1.0,
         },
     }
+
+
+def _print_phases(summary: dict[str, Any]) -> None:
+    bare = summary["bare Ray Job"].get("first_step_phases_s") or {}
+    ours = summary["shunter"].get("first_step_phases_s") or {}
+    log("part 1: submit -> first step, phase by phase (median seconds): bare Ray Job | shunter")
+    for name, _, _ in PHASES:
+        if name in bare or name in ours:
+            log(f"  {name:<44} {bare.get(name, 0.0):6.2f} | {ours.get(name, 0.0):6.2f}")
+    log(f"  {'sum':<44} {sum(bare.values()):6.2f} | {sum(ours.values()):6.2f}")
 
 
 if __name__ == "__main__":  # pragma: no cover - ad hoc

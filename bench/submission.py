@@ -103,6 +103,13 @@ def run(quick: bool) -> dict[str, Any]:
         ratios[f"shunter {kind} (16 clients)/Ray submit_job"] = r["c16"]["per_s"] / ray_rate
     targets = {}
     for kind in kinds:
-        targets[f"{kind}: >= 0.25x bare endpoint"] = ratios[f"shunter {kind}/bare FastAPI (16 clients)"] >= 0.25
+        r = results[f"shunter {kind}"]
+        ratios[f"shunter {kind}/bare FastAPI p99 (16 clients)"] = (
+            r["c16"]["p99_ms"] / results["bare FastAPI"]["c16"]["p99_ms"]
+        )
+        targets[f"{kind}: >= 0.5x bare endpoint"] = ratios[f"shunter {kind}/bare FastAPI (16 clients)"] >= 0.5
+        targets[f"{kind}: p99 <= 2x bare endpoint's (16 clients)"] = (
+            ratios[f"shunter {kind}/bare FastAPI p99 (16 clients)"] <= 2.0
+        )
         targets[f"{kind}: >= 100x Ray submit rate"] = ratios[f"shunter {kind} (1 client)/Ray submit_job"] >= 100
     return {"results": results, "ratios": ratios, "targets": targets}
