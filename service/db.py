@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections.abc import Iterator
@@ -81,6 +82,8 @@ def _scrub(value: Any) -> Any:
     return value
 
 
+log = logging.getLogger(__name__)
+
 WRITE_OPTION = "shunter_write"
 TURN_WAIT_SECONDS = 10.0
 
@@ -97,10 +100,15 @@ class WriteTurns:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.missed = 0  # turns not had within TURN_WAIT_SECONDS
 
     def take(self, record_info: dict[str, Any]) -> None:
         if record_info.get(self.KEY) is None:
-            record_info[self.KEY] = self._lock.acquire(timeout=TURN_WAIT_SECONDS)
+            took = record_info[self.KEY] = self._lock.acquire(timeout=TURN_WAIT_SECONDS)
+            if not took:  # every such write has cost TURN_WAIT_SECONDS: a nesting to find and undo
+                self.missed += 1
+                log.warning("a SQLite write waited %.0f s for its turn and went on without it (a write transaction "
+                            "begun inside another on one thread?)", TURN_WAIT_SECONDS, stack_info=True)  # fmt: skip
 
     def give_back(self, record_info: dict[str, Any] | None) -> None:
         if record_info is not None and record_info.pop(self.KEY, None):
