@@ -100,13 +100,11 @@ class WriteTurns:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.missed = 0  # turns not had within TURN_WAIT_SECONDS
 
     def take(self, record_info: dict[str, Any]) -> None:
         if record_info.get(self.KEY) is None:
             took = record_info[self.KEY] = self._lock.acquire(timeout=TURN_WAIT_SECONDS)
             if not took:  # every such write has cost TURN_WAIT_SECONDS: a nesting to find and undo
-                self.missed += 1
                 log.warning("a SQLite write waited %.0f s for its turn and went on without it (a write transaction "
                             "begun inside another on one thread?)", TURN_WAIT_SECONDS, stack_info=True)  # fmt: skip
 
