@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint bench clean screenshots
+.PHONY: install demo test lint bench clean screenshots gpu-wheels
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -29,6 +29,18 @@ test: install
 	timeout -s INT -k 60 $(LEFT) $(PY) -m pytest -m "not slow" -n 2 $(PYTEST_ARGS) || rc=$$?; \
 	timeout -s INT -k 60 $(LEFT) $(PY) -m pytest -m slow $(PYTEST_ARGS) || rc=$$?; \
 	exit $$rc
+
+# What the GPU tier (tests/gpu/run.sh) carries to a device machine, whose image lacks them: DeepSpeed built here as a
+# pure-Python wheel (its ops compile there, on first use), pydantic for the strategy spec, for the device's Python 3.12.
+VERSION_OF = $$($(PY) -c 'import importlib.metadata, sys; print(importlib.metadata.version(sys.argv[1]))' $(1))
+GPU_WHEELS = pydantic==$(call VERSION_OF,pydantic) pydantic_core==$(call VERSION_OF,pydantic_core) \
+	annotated-types==$(call VERSION_OF,annotated-types) typing-inspection==$(call VERSION_OF,typing-inspection) \
+	hjson==$(call VERSION_OF,hjson)
+gpu-wheels: install
+	rm -rf .whl && mkdir -p .whl
+	DS_BUILD_OPS=0 $(PY) -m pip wheel -q --no-deps deepspeed==$(call VERSION_OF,deepspeed) -w .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 # The README's pictures of the web page (docs/ui-*.png), from a real API and Debian's Chromium (apt-get install chromium).
 screenshots: install

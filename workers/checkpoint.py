@@ -180,9 +180,9 @@ def verify(directory: str | Path) -> dict[str, Any]:
 def resume_point(resume_from: Any = None) -> Any:
     """What to resume from: this run's latest checkpoint (a restarted worker group, or a new attempt reusing the
     run name) wins; else `resume_from` (a ray.train.Checkpoint, path or URI); else env SHUNTER_RESUME_FROM."""
-    import ray.train
+    from workers import session
 
-    latest = ray.train.get_checkpoint()
+    latest = session.get_checkpoint()
     if latest is not None:
         return latest
     if resume_from is None:
@@ -341,20 +341,16 @@ def report(prepared: Prepared, metrics: dict[str, Any], *, checkpoint: bool = Fa
     Every report carries the strategy `prepare` applied (`STRATEGY_METRIC`), so the driver can tell a job whose train
     loop applied the spec's strategy from one that ran as plain Ray Train code (see `workers.progress`).
     """
-    import ray.train
+    from workers import session
 
     metrics = {**metrics, STRATEGY_METRIC: prepared.kind.value}
     if not checkpoint:
-        ray.train.report(metrics)
+        session.report(metrics)
         return
     local = Path(tempfile.mkdtemp(prefix="shunter-ckpt-"))
     try:
         save(prepared, local)
-        ray.train.report(
-            metrics,
-            checkpoint=ray.train.Checkpoint.from_directory(str(local)),
-            checkpoint_dir_name=f"checkpoint-step{prepared.step:08d}",
-        )
+        session.report(metrics, checkpoint_dir=local, name=f"checkpoint-step{prepared.step:08d}")
     finally:
         shutil.rmtree(local, ignore_errors=True)
 

@@ -93,7 +93,7 @@ def token_blocks(texts: list[str], tokenizer: Any, seq_len: int) -> torch.Tensor
 
 def output_location() -> tuple[str, Any]:
     """(path, pyarrow filesystem or None for local) where the final model goes."""
-    import ray.train
+    from workers import session
 
     storage = os.environ.get(ENV_STORAGE)
     if storage:
@@ -103,8 +103,8 @@ def output_location() -> tuple[str, Any]:
 
         path, filesystem = filesystem_for(storage)
         return f"{path.rstrip('/')}/{job_id() or 'adhoc'}/model", filesystem
-    context = ray.train.get_context().get_storage()
-    return f"{context.experiment_fs_path}/model", context.storage_filesystem
+    path, filesystem = session.storage()
+    return f"{path}/model", filesystem
 
 
 def save_final(prepared: Any, tokenizer: Any) -> str | None:

@@ -36,22 +36,17 @@ def current_strategy(strategy: StrategySpec | None = None) -> StrategySpec:
 
 
 def local_world_size() -> int:
-    try:
-        import ray.train
+    from workers import session
 
-        return int(ray.train.get_context().get_local_world_size())
-    except Exception:  # outside a Ray Train worker: one process per node is the safe guess
-        return world()[1]
+    return session.local_world_size()
 
 
 def device() -> torch.device:
-    """The device Ray Train gave this worker (a CUDA device when the job asked for GPUs, else CPU)."""
-    try:
-        from ray.train.torch import get_device
+    """The device Ray Train gave this worker (a CUDA device when the job asked for GPUs, else CPU); in a local
+    session (`workers.session`) the GPU of its local rank."""
+    from workers import session
 
-        return get_device()
-    except Exception:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return session.device()
 
 
 def uses_gpu() -> bool:
@@ -99,7 +94,8 @@ def scale_lr(optimizer: torch.optim.Optimizer, strategy: StrategySpec, *, micro_
 
 
 def distributed_loader(data_loader: Any) -> Any:
-    """Ray Train's `prepare_data_loader`, with a `DistributedSampler` at one worker too.
+    """Ray Train's `prepare_data_loader` (or a local session's, `workers.session`), with a `DistributedSampler` at one
+    worker too.
 
     Ray adds the sampler only above one worker; at one, a shuffling loader keeps its `RandomSampler`, whose order has
     nothing to do with the one the job saw at two workers. With a `DistributedSampler` at every size, the permutation
@@ -107,12 +103,14 @@ def distributed_loader(data_loader: Any) -> Any:
     of it: a job resumed at another size can skip exactly the samples it has seen (see `Prepared.resume_at`). A loader
     with a sampler of the user's own, or over an `IterableDataset`, is left as Ray leaves it.
     """
-    import ray.train.torch
     from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
+    from workers import session
+
+    rank, size = world()
     if (
         isinstance(data_loader, DataLoader)
-        and world()[1] == 1
+        and (size == 1 or session.local_dir() is not None)  # Ray adds the sampler above one worker; locally, we do
         and type(data_loader.sampler) in (RandomSampler, SequentialSampler)
         and not isinstance(data_loader.dataset, IterableDataset)
         and data_loader.batch_size is not None
@@ -121,14 +119,14 @@ def distributed_loader(data_loader: Any) -> Any:
         extra: dict[str, Any] = {}
         if loader.num_workers > 0:
             extra = {"prefetch_factor": loader.prefetch_factor, "persistent_workers": loader.persistent_workers}
-        sampler = DistributedSampler(loader.dataset, num_replicas=1, rank=0,
+        sampler = DistributedSampler(loader.dataset, num_replicas=size, rank=rank,
                                      shuffle=isinstance(loader.sampler, RandomSampler))  # fmt: skip
         data_loader = DataLoader(
             loader.dataset, batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
             collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
             timeout=loader.timeout, worker_init_fn=loader.worker_init_fn, generator=loader.generator, **extra,
         )  # fmt: skip
-    return ray.train.torch.prepare_data_loader(data_loader)
+    return session.prepare_data_loader(data_loader)
 
 
 def build_optimizer(
@@ -162,6 +160,7 @@ class Prepared:
     epoch: int = 0
     batch_in_epoch: int = 0  # micro-batches consumed in the current epoch
     micro_step: int = 0
+    skipped_steps: int = 0  # optimizer steps the fp16 GradScaler dropped (inf/NaN gradients); counted in `step` too
     extra: dict[str, Any] = field(default_factory=dict)  # user state saved with checkpoints (JSON-serialisable)
     _skip_batches: int = 0
 
@@ -238,13 +237,18 @@ class Prepared:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.strategy.gradient_clipping)
+        skipped = False
         if self.scaler is not None:
-            self.scaler.step(self.optimizer)
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)  # skips the update when the gradients hold an inf or a NaN
             self.scaler.update()
+            skipped = self.scaler.get_scale() < scale  # the scale falls exactly when the step was skipped
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None:
+        if skipped:
+            self.skipped_steps += 1  # the schedule waits for an update that happened (torch warns otherwise)
+        elif self.scheduler is not None:
             self.scheduler.step()
         self.step += 1
         return True

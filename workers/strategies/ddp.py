@@ -1,4 +1,5 @@
-"""DDP: Ray Train's `prepare_model` (DistributedDataParallel on gloo or NCCL) and `prepare_data_loader`."""
+"""DDP: Ray Train's `prepare_model` (DistributedDataParallel on gloo or NCCL) and `prepare_data_loader`, through
+`workers.session` (a local session under torchrun wraps the same way)."""
 
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ def prepare_ddp(
     scheduler: SchedulerFactory | None = None,
 ) -> Prepared:
     """Wrap for DDP; an optimizer built before wrapping stays valid because DDP keeps the same parameters."""
-    import ray.train.torch
+    from workers import session
 
     here = device()
-    wrapped = ray.train.torch.prepare_model(model, parallel_strategy="ddp")
+    wrapped = session.prepare_model(model)
     module = wrapped.module if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel) else wrapped
     opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else build_optimizer(optimizer, module.parameters())
     precision = mixed_precision(strategy)
