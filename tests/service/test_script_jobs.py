@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,10 @@ REPO = Path(__file__).resolve().parents[2]
 HF_ARGS = ["--output_dir", "out", "--max_steps", "16", "--save_steps", "4", "--logging_steps", "1", "--use_cpu",
            "--ddp_backend", "gloo", "--report_to", "none", "--step_seconds", "0.6"]  # fmt: skip
 ACCELERATE_ARGS = ["--output_dir", "out", "--max_steps", "16", "--checkpointing_steps", "4", "--step_seconds", "0.6"]
-SNAPSHOT_ARGS = ["16", "2", "--snapshot_path", "snapshots/snapshot.pt", "--epoch_seconds", "1.0"]
+# 24 epochs of 1 s: the first attempt must still be running when its first snapshot reaches storage, on a loaded CI
+# machine too (with 16, CI once saw the script end before the kill).
+SNAPSHOT_EPOCHS = 24
+SNAPSHOT_ARGS = [str(SNAPSHOT_EPOCHS), "2", "--snapshot_path", "snapshots/snapshot.pt", "--epoch_seconds", "1.0"]
 
 
 def script_pid(job_id: str, rank: int) -> int | None:
@@ -156,7 +160,12 @@ def test_torchrun_snapshot_script_resumes_in_a_new_attempt(service: Service) -> 
         job_id = c.submit(spec).id
         watch_running(c, job_id)
         snapshot = stored(service, job_id) / "snapshots" / "snapshot.pt"
+        running_at = time.monotonic()
         wait_for(snapshot.is_file, timeout=120, what="the snapshot kept in storage")
+        stored_after = time.monotonic() - running_at
+        now = c.get(job_id)
+        assert now.state == "RUNNING", (f"the first attempt ended ({now.state}) before the kill: its snapshot reached "
+                                        f"storage {stored_after:.1f} s after it was RUNNING")  # fmt: skip
         kill_rank(job_id, 1)
         job = c.wait(job_id, timeout=300)
         assert job.state == "SUCCEEDED", job.last_error
@@ -164,7 +173,7 @@ def test_torchrun_snapshot_script_resumes_in_a_new_attempt(service: Service) -> 
         logs = c.logs(job_id, attempt=2)
         found = re.search(r"Resuming training from snapshot at Epoch (\d+)", logs)
         assert found and int(found.group(1)) >= 2, logs[-3000:]
-        assert c.metrics(job_id, name="loss")[-1].step == 16
+        assert c.metrics(job_id, name="loss")[-1].step == SNAPSHOT_EPOCHS
     assert snapshot is not None and snapshot.is_file()
 
 
