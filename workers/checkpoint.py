@@ -26,7 +26,7 @@ from service.strategy import StrategyKind
 from workers import manifest
 from workers.context import ENV_ATTEMPT, STRATEGY_METRIC
 from workers.manifest import MANIFEST, STATE
-from workers.ranks import world
+from workers.ranks import barrier, world
 
 if TYPE_CHECKING:
     from workers.strategies.common import Prepared
@@ -289,7 +289,7 @@ def _load_deepspeed_resized(prepared: Prepared, source: Path, saved_world: int) 
             with contextlib.redirect_stdout(io.StringIO()):
                 ds_to_universal.main(args)
             (target / "latest_universal").write_text(DEEPSPEED_TAG)
-        _barrier()
+        barrier()
         engine = prepared.engine
         engine._config.load_universal_checkpoint = True
         try:
@@ -302,14 +302,9 @@ def _load_deepspeed_resized(prepared: Prepared, source: Path, saved_world: int) 
             log.info("DeepSpeed checkpoint of %d ranks re-partitioned for %d through a universal checkpoint",
                      saved_world, size)  # fmt: skip
     finally:
-        _barrier()
+        barrier()
         if converts:
             shutil.rmtree(target, ignore_errors=True)
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def skip_for(state: dict[str, Any], batch_size: int | None, world_size: int) -> int:

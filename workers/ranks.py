@@ -15,6 +15,12 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
+def barrier() -> None:
+    """Wait for every rank of the process group; nothing to wait for without one, or alone in it."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def any_rank(flag: bool) -> bool:
     """Whether `flag` is true on any rank: a collective (every rank must call it), the same answer everywhere. On the
     backend's own device (NCCL reduces only CUDA tensors); without a process group, the flag itself."""

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workers.ranks import world
+from workers.ranks import barrier, world
 
 ENV_LOCAL_RUN = "SHUNTER_LOCAL_RUN_DIR"
 METRICS = "metrics.jsonl"
@@ -172,15 +172,15 @@ def report(metrics: dict[str, Any], *, checkpoint_dir: Path | None = None, name:
         partial = directory / f"{PARTIAL}{name}"
         if rank == 0 and partial.exists():  # left by a run that died while writing it
             shutil.rmtree(partial)
-        _barrier()
+        barrier()
         shutil.copytree(checkpoint_dir, partial, dirs_exist_ok=True)
-        _barrier()
+        barrier()
         if rank == 0:
             final = directory / name
             if final.exists():  # written again at the same step (a resumed run): the newer one wins
                 shutil.rmtree(final)
             partial.rename(final)
-        _barrier()
+        barrier()
         line["checkpoint"] = name
     if rank == 0:
         with (directory / METRICS).open("a") as out:
@@ -205,8 +205,3 @@ def storage() -> tuple[str, Any]:
 
     context = ray.train.get_context().get_storage()
     return context.experiment_fs_path, context.storage_filesystem
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()

@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from service.strategy import MixedPrecision, StrategyKind, StrategySpec
+from workers import session
 from workers.ranks import world
+from workers.session import device, local_world_size  # noqa: F401 - the strategies' own names for them
 
 log = logging.getLogger(__name__)
 
@@ -33,20 +35,6 @@ def current_strategy(strategy: StrategySpec | None = None) -> StrategySpec:
     from workers.context import job_spec
 
     return job_spec().strategy
-
-
-def local_world_size() -> int:
-    from workers import session
-
-    return session.local_world_size()
-
-
-def device() -> torch.device:
-    """The device Ray Train gave this worker (a CUDA device when the job asked for GPUs, else CPU); in a local
-    session (`workers.session`) the GPU of its local rank."""
-    from workers import session
-
-    return session.device()
 
 
 def uses_gpu() -> bool:
@@ -104,8 +92,6 @@ def distributed_loader(data_loader: Any) -> Any:
     with a sampler of the user's own, or over an `IterableDataset`, is left as Ray leaves it.
     """
     from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
-
-    from workers import session
 
     rank, size = world()
     if (
