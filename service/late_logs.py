@@ -5,7 +5,8 @@ on for seconds (Ray Train's teardown, the driver's exit), and its log is only wh
 dispatcher asks Ray about the attempts it ended that way; one Ray calls ended (or no longer knows) has its log copied
 out (`HostFiles.keep_log`) and its Ray status written on the attempt, which is what marks it done. A Ray Job still
 running `linger_seconds` after its driver's last word is stopped: the code is the job's own, and what it does after
-saying it is done (a hung teardown, or a loop that never exits) must not hold the cluster's room unseen.
+saying it is done (a hung teardown, or a loop that never exits) must not hold the cluster's room unseen. A Ray Job
+that ends FAILED after its attempt succeeded (the teardown failed) is told as an event; the success stands.
 
 A dispatcher that restarts picks up such attempts ended in the last hour (whichever dispatcher ended them): keeping a
 log twice writes the same file.
@@ -26,7 +27,7 @@ from sqlmodel import Session, col, select
 from service.db import session_scope
 from service.errors import InfraError
 from service.host_files import HostFault, HostFiles
-from service.models import Attempt, EventKind, utcnow
+from service.models import Attempt, EndReason, EventKind, utcnow
 from service.state import record_event
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,15 @@ class LateLogs:
             values: dict[str, Any] = {"ray_status": info.status[:16] if info is not None else GONE}
             if log_uri is not None:
                 values["log_uri"] = log_uri
-            session.execute(update(Attempt).where(col(Attempt.id) == item.attempt_id,
-                                                  col(Attempt.ray_status).is_(None)).values(**values))  # fmt: skip
+            unmarked = (col(Attempt.id) == item.attempt_id, col(Attempt.ray_status).is_(None))
+            marked = session.execute(update(Attempt).where(*unmarked).values(**values)).rowcount == 1  # type: ignore[attr-defined]
+            if marked and info is not None and info.status == "FAILED" and not item.stop_sent:
+                ended = session.get(Attempt, item.attempt_id)
+                if ended is not None and ended.end_reason is EndReason.SUCCEEDED:
+                    # The run's result stands: what failed came after every rank's loop returned and the attempt
+                    # succeeded on it (Ray Train's teardown, the driver's exit). Told, never turned into a failure.
+                    record_event(session, item.job_id, kind=EventKind.RAY, reason="ray_teardown_failed",
+                                 attempt=item.number, actor=self.owner,
+                                 message="its Ray Job ended FAILED after the run had succeeded (Ray Train's "
+                                         "teardown, the driver's exit): the job stays SUCCEEDED")  # fmt: skip
         self.pending.pop(item.attempt_id, None)

@@ -20,6 +20,7 @@ from service.backend import SUBMISSION_PREFIX, ClusterView, NodeView, RayJobInfo
 from service.errors import InfraError
 
 STOPPED = ".stopped"  # beside a submission's file: it was stopped
+FAILED = ".failed"  # beside a submission's file: its Ray Job ended FAILED (fault injection: `fail`)
 
 
 class NoopJobs:
@@ -51,6 +52,8 @@ class NoopJobs:
             return None
         if (self.dir / f"{submission_id}{STOPPED}").exists():
             return RayJobInfo(submission_id, "STOPPED", message="stopped")
+        if (self.dir / f"{submission_id}{FAILED}").exists():
+            return RayJobInfo(submission_id, "FAILED", message="failed")
         if time.time() - submitted < self.run_seconds:
             return RayJobInfo(submission_id, "RUNNING")
         return RayJobInfo(submission_id, "SUCCEEDED")
@@ -76,6 +79,10 @@ class NoopJobs:
         (self.dir / f"{submission_id}{STOPPED}").touch()
         return True
 
+    def fail(self, submission_id: str) -> None:
+        """Tests: the job's Ray Job ends FAILED from now on (its driver exited non-zero)."""
+        (self.dir / f"{submission_id}{FAILED}").touch()
+
     def logs(self, submission_id: str) -> str | None:
         return f"noop job {submission_id}\n" if (self.dir / submission_id).exists() else None
 
@@ -83,7 +90,8 @@ class NoopJobs:
         return "the noop backend runs no code: there are no stacks to dump"
 
     def list_submission_ids(self, prefix: str = SUBMISSION_PREFIX) -> list[str]:
-        return sorted(p.name for p in self.dir.iterdir() if p.name.startswith(prefix) and not p.name.endswith(STOPPED))
+        marks = (STOPPED, FAILED)
+        return sorted(p.name for p in self.dir.iterdir() if p.name.startswith(prefix) and not p.name.endswith(marks))
 
     def cluster(self) -> ClusterView:
         total = {"CPU": self.cpus, "GPU": 0.0, "memory": 1e15}

@@ -63,6 +63,16 @@ def record_report(
         if checkpoint_uri and checkpoint_complete:
             values["latest_checkpoint"] = checkpoint_uri
         current = (Job.id == job_id, Job.attempt == attempt, Job.state.in_(ACTIVE_STATES))  # type: ignore[attr-defined]
+        replay = bool(checkpoint_uri) and session.exec(
+            select(Checkpoint.id).where(Checkpoint.job_id == job_id, Checkpoint.attempt == attempt,
+                                        Checkpoint.uri == checkpoint_uri).limit(1)
+        ).first() is not None  # fmt: skip
+        if replay and progress and step is not None:
+            # A replay never takes the job's progress back: the driver's final report carries the last *checkpointed*
+            # report, and the loop may have reported further steps without a checkpoint since.
+            ahead = session.exec(select(Job.id).where(*current, col(Job.step) > step)).first() is not None
+            if ahead:
+                return True
         if values:
             fenced = session.execute(update(Job).where(*current).values(**values)).rowcount != 1  # type: ignore[attr-defined]
         else:
@@ -70,10 +80,7 @@ def record_report(
         if fenced:
             session.rollback()
             return False
-        if checkpoint_uri and session.exec(
-            select(Checkpoint.id).where(Checkpoint.job_id == job_id, Checkpoint.attempt == attempt,
-                                        Checkpoint.uri == checkpoint_uri).limit(1)
-        ).first() is not None:  # fmt: skip
+        if replay:
             session.commit()
             return True
         for name, value in numeric.items():

@@ -24,6 +24,10 @@ ENV_WORLD_SIZE = "SHUNTER_WORLD_SIZE"  # the workers admission gave this attempt
 # A reserved metric key: every report made through a `Prepared` (workers.strategies.prepare) names the strategy it
 # applied, so the Train callback can tell a loop that applied the spec's strategy from plain Ray Train code.
 STRATEGY_METRIC = "_shunter_strategy"
+# A reserved metric key: the report every rank makes once its train loop has returned (`workers.progress.
+# announce_finished`). Ray Train hands it to the controller's callback after every report the loop made, so the
+# callback can record the attempt's success there, before Ray Train's teardown, which can take seconds.
+FINISHED_METRIC = "_shunter_finished"
 
 
 @functools.lru_cache

@@ -223,7 +223,9 @@ def main() -> int:
 def run(spec: JobSpec, *, job_id: str, attempt: int, storage: str, api: AttemptApi | None) -> tuple[EndReason, str]:
     """Train this attempt to its end (Ray already initialised) and record how it ended; (end reason, message).
     `api`: where to report (None: nowhere, e.g. outside shunter)."""
-    reason, message = EndReason.SUCCEEDED, "succeeded"
+    from workers.progress import SUCCEEDED_MESSAGE
+
+    reason, message = EndReason.SUCCEEDED, SUCCEEDED_MESSAGE
     try:
         trainer = build_trainer(spec, job_id=job_id, attempt=attempt, storage=storage, api=api)
         TIMING["fit"] = time.time()
@@ -251,8 +253,10 @@ def run(spec: JobSpec, *, job_id: str, attempt: int, storage: str, api: AttemptA
 
             warn_if_never_reported(api, expected=expected.value)
         if api is not None:
-            # The run's last word, once its final report has landed: the dispatcher ends the attempt on it at once,
-            # rather than when Ray Train's teardown and this process's exit let Ray call the Ray Job ended.
+            # The run's last word, once its final report has landed. The Train callback has normally said it already,
+            # as soon as every rank's loop returned (workers.progress.announce_finished), before Ray Train's teardown
+            # let fit() return; this one then changes nothing. It counts when the callback could not say it (reports
+            # still kept for an API that was away), and is still ahead of Ray calling the Ray Job ended.
             _record_end(api, reason, message)
         return reason, message
     except KeyboardInterrupt:

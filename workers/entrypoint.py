@@ -34,10 +34,11 @@ def run_loop(
     """Run the job's own train loop on this worker, after the pre-flight check (`workers.preflight`, when the spec's
     `preflight` is enabled), after rank 0 has reported the checkpoint it resumes from and, with `announce`, that every
     rank's loop has started (RUNNING); the loop is called as Ray Train would call it (with the config when it takes an
-    argument). A loop stopped by a drain notice returns `workers.drain.drained`."""
+    argument). A loop stopped by a drain notice returns `workers.drain.drained`; one that returns on its own then
+    says so (`workers.progress.announce_finished`), which is the word the attempt succeeds on."""
     register_stack_dump()  # SIGUSR1 prints this worker's stacks into the attempt's log (a stall: workers.stacks)
     from workers.drain import NodeDraining, drained
-    from workers.progress import announce_started, report_restored
+    from workers.progress import announce_finished, announce_started, report_restored
 
     if preflight is not None and preflight.get("enabled", True):
         from workers import preflight as check
@@ -47,9 +48,11 @@ def run_loop(
     if announce:
         announce_started()
     try:
-        return loop(config) if _takes_config(loop) else loop()
+        value = loop(config) if _takes_config(loop) else loop()
     except NodeDraining as stop:  # the drain checkpoint is written on every rank: end the run cleanly
         return drained(stop)
+    announce_finished()  # the attempt succeeds on this, not when Ray Train's teardown lets `fit()` return
+    return value
 
 
 def _takes_config(loop: Callable[..., Any]) -> bool:

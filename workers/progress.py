@@ -26,7 +26,7 @@ from typing import Any
 from ray.train import Checkpoint, UserCallback
 
 from workers.attempt_api import AttemptApi
-from workers.context import STRATEGY_METRIC
+from workers.context import FINISHED_METRIC, STRATEGY_METRIC
 
 log = logging.getLogger(__name__)
 REPORT_PATIENCE_SECONDS = 2.0  # how long one report may wait for the API to come back (the loop waits with it)
@@ -45,8 +45,11 @@ class ProgressCallback(UserCallback):
         self._outbox: list[dict[str, Any]] = []  # report bodies the API could not take yet, oldest first
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
-        self._reports += 1
         rank0 = dict(metrics[0]) if metrics else {}
+        if FINISHED_METRIC in rank0:
+            self._finished()
+            return
+        self._reports += 1
         applied = rank0.pop(STRATEGY_METRIC, None)  # shunter's marker, not a metric of the job
         if self._reports == 1 and self.strategy and applied != self.strategy:
             warn_strategy_not_applied(self.api, job_id=self.job_id, expected=self.strategy, applied=applied)
@@ -63,6 +66,26 @@ class ProgressCallback(UserCallback):
             return
         self._outbox.append(body)
         self._deliver()
+
+    def _finished(self) -> None:
+        """Every rank's train loop has returned (`announce_finished`), and Ray Train handed over every report the loop
+        made before this one: record the attempt's success now. The driver would only say it once `fit()` returns,
+        after Ray Train's teardown of the worker group, which can take seconds (12 s on Ray 2.60 here). Reports the
+        API could not take yet go first; while any is still kept, the success is left to the driver, which sends the
+        run's final report before its own word, so the job never succeeds without its last checkpoint."""
+        self._deliver()
+        if self._outbox:
+            log.warning("shunter: job %s: reports still kept at the end of training: the driver records the end",
+                        self.job_id)  # fmt: skip
+            return
+        if self.strategy and self._reports == 0:  # no report to check the strategy on (the driver's check, earlier)
+            warn_strategy_not_applied(self.api, job_id=self.job_id, expected=self.strategy)
+        from service.enums import EndReason
+
+        try:
+            self.api.end(EndReason.SUCCEEDED.value, SUCCEEDED_MESSAGE, patience=REPORT_PATIENCE_SECONDS)
+        except Exception:  # noqa: BLE001 - the driver records the end once fit() returns
+            log.exception("shunter: could not record the end of job %s at the end of training", self.job_id)
 
     def _deliver(self) -> None:
         """Send what the outbox holds, oldest first; stop at the first transient failure and keep the rest."""
@@ -150,6 +173,19 @@ def checkpoint_uri_of(checkpoint: Checkpoint) -> str:
     from workers.storage import uri_of
 
     return uri_of(checkpoint.path, checkpoint.filesystem)
+
+
+SUCCEEDED_MESSAGE = "succeeded"
+
+
+def announce_finished() -> None:
+    """Every rank, once its train loop has returned: a report of shunter's own (`FINISHED_METRIC`), the last of the
+    run. Ray Train consolidates a report only when every rank has made it, and hands reports to the controller's
+    callbacks in order, so `ProgressCallback` sees it after the loop's every report and only once all ranks are done:
+    that is when the attempt succeeds (`ProgressCallback._finished`)."""
+    import ray.train
+
+    ray.train.report({FINISHED_METRIC: 1})
 
 
 STARTED_PATIENCE_SECONDS = 10.0  # how long the start of training waits for an API that is restarting

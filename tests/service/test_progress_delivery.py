@@ -5,15 +5,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ray.train import Checkpoint as RayCheckpoint
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from service import attempt_tokens
-from service.models import Checkpoint, Job, JobState, Metric
+from service.models import Attempt, Checkpoint, EndReason, Job, JobState, Metric
 from service.progress import record_report
 from service.ray_local import free_port
 from tests.live_api import add_attempt, live_api
 from workers.attempt_api import AttemptApi
+from workers.context import FINISHED_METRIC
 from workers.progress import OUTBOX, ProgressCallback
 
 SECRET = "delivery-test-key-" + "k" * 24
@@ -69,3 +71,55 @@ def test_a_replayed_checkpoint_report_adds_no_rows(db: Engine) -> None:
         assert len(session.exec(select(Checkpoint).where(Checkpoint.job_id == job.id)).all()) == 1
         assert session.get(Job, job.id).latest_checkpoint == "/c/20"  # type: ignore[union-attr]
     assert steps(db, job.id) == [20]
+
+
+def test_a_replay_never_takes_the_jobs_progress_back(db: Engine) -> None:
+    job = running_job(db)
+    assert record_report(db, job_id=job.id, attempt=1, metrics={"step": 20, "loss": 0.1}, checkpoint_uri="/c/20")
+    assert record_report(db, job_id=job.id, attempt=1, metrics={"step": 23, "loss": 0.05})  # no checkpoint since
+    # The driver's final report is the last *checkpointed* one (Ray Train's Result.metrics): step 20 again.
+    assert record_report(db, job_id=job.id, attempt=1, metrics={"step": 20, "loss": 0.1}, checkpoint_uri="/c/20")
+    with Session(db) as session:
+        job_now = session.get(Job, job.id)
+        assert job_now is not None and job_now.step == 23 and job_now.latest_metrics == {"step": 23, "loss": 0.05}
+    assert steps(db, job.id) == [20, 23]
+
+
+def test_the_end_of_training_is_recorded_after_every_report_before_it(db: Engine, tmp_path: Path) -> None:
+    """The report every rank makes once its loop returned (FINISHED_METRIC) ends the attempt SUCCEEDED from the Train
+    callback, after the reports kept while the API was away: the last checkpoint is listed before the success."""
+    job = running_job(db)
+    port = free_port()  # the API is away for the loop's last reports
+    callback = ProgressCallback(api=AttemptApi(f"http://127.0.0.1:{port}", attempt_tokens.issue(job.id, 1, SECRET),
+                                               job.id, 1), keep=3)  # fmt: skip
+    callback.after_report(None, [{"step": 1, "loss": 1.0}], None)
+    callback.after_report(None, [{"step": 2, "loss": 0.5}], _checkpoint(tmp_path / "c2"))
+    assert len(callback._outbox) == 2
+    with live_api(db, tmp_path, port=port, progress_secret=SECRET):
+        callback.after_report(None, [{FINISHED_METRIC: 1}, {FINISHED_METRIC: 1}], None)
+    assert callback._outbox == []
+    with Session(db) as session:
+        attempt = session.exec(select(Attempt).where(Attempt.job_id == job.id)).one()
+        assert attempt.end_reason is EndReason.SUCCEEDED and attempt.driver_ended_at is not None
+        checkpoint = session.exec(select(Checkpoint).where(Checkpoint.job_id == job.id)).one()
+        assert checkpoint.step == 2 and checkpoint.created_at <= attempt.driver_ended_at
+        job_now = session.get(Job, job.id)
+        assert job_now is not None and job_now.step == 2 and FINISHED_METRIC not in (job_now.latest_metrics or {})
+    assert steps(db, job.id) == [1, 2]  # the end is no report of the job's
+
+
+def test_the_end_of_training_is_left_to_the_driver_while_reports_are_kept(db: Engine) -> None:
+    job = running_job(db)
+    callback = ProgressCallback(api=AttemptApi(f"http://127.0.0.1:{free_port()}",
+                                               attempt_tokens.issue(job.id, 1, SECRET), job.id, 1), keep=3)  # fmt: skip
+    callback.after_report(None, [{"step": 1, "loss": 1.0}], None)
+    callback.after_report(None, [{FINISHED_METRIC: 1}], None)  # still away: the report stays kept, no end is sent
+    assert [b["step"] for b in callback._outbox] == [1]
+    with Session(db) as session:
+        assert session.exec(select(Attempt).where(Attempt.job_id == job.id)).one().end_reason is None
+
+
+def _checkpoint(path: Path) -> RayCheckpoint:
+    path.mkdir(parents=True)
+    (path / "state.pt").write_bytes(b"weights")
+    return RayCheckpoint(path=str(path))

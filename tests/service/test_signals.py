@@ -160,6 +160,30 @@ def test_the_drivers_last_word_ends_the_attempt_at_once_and_its_log_is_kept_once
     assert dispatcher.late.pending == {}
 
 
+def test_a_ray_job_that_fails_after_its_attempt_succeeded_is_an_event_not_a_failure(
+    db: Engine, dispatcher: Dispatcher
+) -> None:
+    """The attempt succeeded on every rank's word (workers.progress.announce_finished); Ray Train's teardown or the
+    driver's exit then failed, so Ray calls the Ray Job FAILED: the job stays SUCCEEDED, and an event says so."""
+    job_id, _ = post(db)
+    wait_for(lambda: state_event_at(db, job_id, JobState.STARTING) is not None, timeout=5, what="STARTING")
+    with Session(db) as session:
+        attempt = session.exec(select(Attempt).where(Attempt.job_id == job_id)).one()
+    wait_for(lambda: dispatcher.ray.info(attempt.submission_id) is not None, timeout=5, what="submitted")
+    assert progress.record_attempt_end(db, job_id=job_id, attempt=1, reason=EndReason.SUCCEEDED, message="succeeded")
+    wait_for(lambda: state_event_at(db, job_id, JobState.SUCCEEDED) is not None, timeout=5, what="SUCCEEDED")
+    dispatcher.ray.fail(attempt.submission_id)
+    dispatcher.late.step()
+    assert attempt.id not in dispatcher.late.pending
+    with Session(db) as session:
+        row = session.get(Attempt, attempt.id)
+        assert row is not None and row.ray_status == "FAILED" and row.end_reason is EndReason.SUCCEEDED
+        events = session.exec(select(JobEvent).where(JobEvent.job_id == job_id)).all()
+        teardown = [e for e in events if e.reason == "ray_teardown_failed"]
+        assert len(teardown) == 1 and "stays SUCCEEDED" in (teardown[0].message or "")
+        assert session.get(Job, job_id).state == JobState.SUCCEEDED
+
+
 def test_a_restarted_dispatcher_keeps_the_log_the_dead_one_left(db: Engine, dispatcher: Dispatcher, tmp_path: Path):
     job_id, _ = post(db)
     wait_for(lambda: state_event_at(db, job_id, JobState.STARTING) is not None, timeout=5, what="STARTING")

@@ -159,12 +159,15 @@ def test_the_wrapper_calls_the_loop_as_ray_train_would(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(workers.progress, "report_restored", lambda: None)  # no Ray Train session here
     monkeypatch.setattr(workers.progress, "announce_started", lambda: None)
+    finished: list[int] = []  # each loop that returned says so: the attempt succeeds on it (in a Train session)
+    monkeypatch.setattr(workers.progress, "announce_finished", lambda: finished.append(1))
     calls: list[object] = []
     assert run_loop({"a": 1}, loop=lambda config: calls.append(config)) is None
     assert run_loop({"a": 2}, loop=lambda: calls.append("no config")) is None
     assert run_loop({"a": 3}, loop=lambda *args: calls.append(args)) is None
     assert run_loop({"a": 4}, loop=lambda config, extra=1: config["a"] + extra) == 5
     assert calls == [{"a": 1}, "no config", ({"a": 3},)]
+    assert len(finished) == 4
 
 
 def test_checkpoint_without_valid_manifest_is_refused(tmp_path: Path) -> None:
