@@ -83,6 +83,11 @@ class Dispatcher(Finishing, HostEffects):
     # ---- the loop -------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
         self.waker = waker = signals.Waker(self.engine)
+        warm = getattr(self.ray, "warm", None)
+        if warm is not None:
+            # The Ray Jobs client is made now, not inside the first submission; on this thread, as the first tick's
+            # imports of Ray are: a module of Ray imported from two threads at once can be left half made.
+            warm()
         try:
             while not stop.is_set():
                 try:

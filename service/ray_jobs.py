@@ -183,6 +183,14 @@ class RayJobs:
             raise InfraError("Ray shows no live head node: cannot place a driver off it")
         return head
 
+    def warm(self) -> None:
+        """Make the Ray Jobs SDK client ahead of the first submission (importing it and Ray's version check take a
+        few hundred milliseconds, which the first job's start would otherwise wait for). Never raises."""
+        try:
+            self._client()
+        except Exception:  # noqa: BLE001 - Ray not up yet: the first submission makes it
+            log.debug("Ray Jobs client not made ahead", exc_info=True)
+
     def _client(self) -> Any:
         if self._sdk is None:
             from ray.job_submission import JobSubmissionClient

@@ -8,16 +8,64 @@ Errors are raised to the caller: progress writers log and skip them, the spec re
 from __future__ import annotations
 
 import functools
+import logging
 import math
+import sys
 import time
+import types
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 
+def _without_httpx_cli() -> None:
+    """httpx imports its command-line tool (`httpx._main`: click, rich, pygments) whenever those are installed, as
+    they are beside shunter's own CLI: 160 ms of imports in the driver, the Train controller and every train worker,
+    each on the way to a job's first step. A job's processes never run that tool, so before httpx is first imported
+    there, its `main` is one that says so."""
+    if "httpx" in sys.modules or "httpx._main" in sys.modules:
+        return
+    stub = types.ModuleType("httpx._main")
+
+    def main(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("httpx's command-line tool is not loaded in a shunter job process")
+
+    stub.main = main  # type: ignore[attr-defined]
+    sys.modules["httpx._main"] = stub
+
+
+_without_httpx_cli()
+import httpx  # noqa: E402 - after the stub above
+
+log = logging.getLogger(__name__)
 TIMEOUT = httpx.Timeout(5.0, connect=2.0)  # short: a report waits for it in the Train controller
 SPEC_TRIES = 5
 TRANSIENT_STATUS = frozenset({500, 502, 503, 504})  # the API restarting, or its database away: try again
+
+
+@functools.lru_cache(maxsize=1)
+def _sender() -> Any:
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(1, thread_name_prefix="shunter-api")
+
+
+def in_background(api: AttemptApi, call: Any, what: str) -> Any:
+    """`call(api)` on this process's one sender thread, in order with the others sent so, without waiting for it: for
+    news the train loop need not wait on (the process exits only once they are sent). A failure is logged. Returns
+    the future.
+
+    The API's client is made here, on the caller's thread: the sender then imports nothing (a module imported from
+    two threads at once can be left half made, as Ray's was in a dispatcher that warmed its client on a thread)."""
+    _client(api.url.rstrip("/"), api.token)
+
+    def send() -> Any:
+        try:
+            return call(api)
+        except Exception:  # noqa: BLE001 - news only: logged, never raised into the training run
+            log.exception("shunter: could not send %s of job %s", what, api.job_id)
+            return None
+
+    return _sender().submit(send)
 
 
 def transient(exc: BaseException) -> bool:

@@ -202,31 +202,22 @@ def main() -> int:
     TIMING["process_started"] = process_started_at()
     TIMING["driver_imported"] = time.time()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s shunter-driver %(levelname)s %(message)s")
-    # The spec is read from the API while ray.init connects to the cluster: both mostly wait on the network.
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(1, thread_name_prefix="shunter-spec") as pool:
-        reading = pool.submit(_read_spec)
-        import ray
-
-        ray.init(log_to_driver=True)
-        TIMING["ray_connected"] = time.time()
-        spec = reading.result()
+    spec = context.job_spec()
+    TIMING["spec_read"] = time.time()
     job_id = context.job_id() or "adhoc"
     attempt = context.attempt()
     storage = os.environ.get(context.ENV_STORAGE) or os.path.abspath("shunter-checkpoints")
     api = context.attempt_api()
     log.info("job %s attempt %d: %d x %s, strategy %s", job_id, attempt, context.world_size(spec.resources),
              spec.resources.per_worker(), spec.strategy.kind.value)  # fmt: skip
+
+    import ray
+
+    ray.init(log_to_driver=True)
+    TIMING["ray_connected"] = time.time()
     reason, message = run(spec, job_id=job_id, attempt=attempt, storage=storage, api=api)
     log.info("attempt ended: %s", reason.value)
     return 0 if reason is EndReason.SUCCEEDED else 1
-
-
-def _read_spec() -> JobSpec:
-    spec = context.job_spec()
-    TIMING["spec_read"] = time.time()
-    return spec
 
 
 def run(spec: JobSpec, *, job_id: str, attempt: int, storage: str, api: AttemptApi | None) -> tuple[EndReason, str]:

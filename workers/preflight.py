@@ -63,10 +63,15 @@ def run(options: dict[str, Any]) -> dict[str, Any] | None:
     )  # fmt: skip
     report = check.run()
     if report["failed"] is not None:
-        _send(report, every_rank=True)
+        _send_failure(report)
         raise PreflightFailed(failure_message(report["failed"]))
-    if check.rank == 0:
-        _send(report, every_rank=False)
+    if check.rank == 0:  # a pass is news the first step need not wait for (a failure is sent before the raise)
+        from workers.attempt_api import in_background
+        from workers.context import attempt_api
+
+        api = attempt_api()
+        if api is not None:
+            in_background(api, lambda a: a.preflight(report, patience=REPORT_PATIENCE_SECONDS), "the pre-flight result")
     for warning in report["warnings"]:
         log.warning("shunter: pre-flight: %s", warning)
     return report
@@ -77,7 +82,8 @@ def failure_message(failed: dict[str, Any]) -> str:
     return f"pre-flight check failed: rank {failed.get('rank')} on {where}: {failed.get('why')}"
 
 
-def _send(report: dict[str, Any], *, every_rank: bool) -> None:
+def _send_failure(report: dict[str, Any]) -> None:
+    """Every rank that saw the failure sends it, before raising: the attempt's end reads where it failed."""
     try:
         from workers.context import attempt_api
 
@@ -85,7 +91,7 @@ def _send(report: dict[str, Any], *, every_rank: bool) -> None:
         if api is not None:
             api.preflight(report, patience=REPORT_PATIENCE_SECONDS)
     except Exception:  # noqa: BLE001 - the result is in the log; a lost report must not fail (or pass) the attempt
-        log.exception("shunter: could not send the pre-flight result%s", " (every rank sends a failure)" * every_rank)
+        log.exception("shunter: could not send the pre-flight result (every rank sends a failure)")
 
 
 class _Check:

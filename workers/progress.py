@@ -193,21 +193,20 @@ STARTED_PATIENCE_SECONDS = 10.0  # how long the start of training waits for an A
 
 def announce_started() -> None:
     """Every rank: wait until all ranks got here (a Ray Train barrier), then rank 0 tells shunter the attempt's
-    ranks have all started, which makes the job RUNNING before its first report. Never raises for shunter's part."""
+    ranks have all started, which makes the job RUNNING before its first report; it is sent from a thread of its
+    own, so the loop starts at once. Never raises for shunter's part."""
     import ray.train
     from ray.train.collective import barrier
 
     barrier()
     if ray.train.get_context().get_world_rank() != 0:
         return
-    try:
-        from workers.context import attempt_api
+    from workers.attempt_api import in_background
+    from workers.context import attempt_api
 
-        api = attempt_api()
-        if api is not None:
-            api.started(patience=STARTED_PATIENCE_SECONDS)
-    except Exception:  # noqa: BLE001 - RUNNING then comes with the first report, as before
-        log.exception("shunter: could not say that this attempt's ranks started")
+    api = attempt_api()
+    if api is not None:  # the first step does not wait for the API; if it is lost, RUNNING comes with the first report
+        in_background(api, lambda a: a.started(patience=STARTED_PATIENCE_SECONDS), "that its ranks started")
 
 
 RESTORE_PATIENCE_SECONDS = 30.0  # the first step waits at most this long for an API that is restarting
