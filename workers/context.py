@@ -11,9 +11,12 @@ import functools
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from service.spec import JobSpec, Resources
 from workers.attempt_api import AttemptApi
+
+if TYPE_CHECKING:  # imported where used: the Train controller reads the constants below, never a spec
+    from service.spec import JobSpec, Resources
 
 ENV_JOB_ID = "SHUNTER_JOB_ID"
 ENV_ATTEMPT = "SHUNTER_ATTEMPT"
@@ -34,6 +37,8 @@ FINISHED_METRIC = "_shunter_finished"
 def job_spec() -> JobSpec:
     """The spec of the job this process belongs to, read once from the API (a default DDP spec outside shunter, for
     plain Ray Train use)."""
+    from service.spec import JobSpec
+
     api = attempt_api()
     if api is None:
         return JobSpec.model_validate({"entrypoint": {"callable": "unknown:unknown"}})
