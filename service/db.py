@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DataError, IntegrityError
+from sqlalchemy.exc import DataError, DisconnectionError, IntegrityError
 from sqlmodel import Session, create_engine
 
 from service import models, notify_models  # noqa: F401  (registers the tables on SQLModel.metadata)
@@ -52,10 +53,41 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
             turns.give_back(record.record_info)  # the transaction is over (committed, rolled back, or the conn lost)
 
         return engine
-    engine = create_engine(url, pool_pre_ping=True, **kwargs)
+    engine = create_engine(url, **kwargs)
+    _ping_when_idle(engine)
     if engine.dialect.name == "postgresql":
         event.listen(engine, "before_cursor_execute", _no_nul_in_text, retval=True)
     return engine
+
+
+PING_AFTER_IDLE_SECONDS = 2.0  # a pooled connection unused this long is pinged before it is handed out
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    """SQLAlchemy's `pool_pre_ping`, for connections that sat in the pool: one handed back moments ago was alive then,
+    and pinging it again was a round trip of a PostgreSQL submission's six. A connection that has been idle (the
+    server restarted meanwhile, or closed it on an idle timeout) is still pinged, and a dead one replaced before any
+    request sees it; one that dies while in use fails its request (a 503 the client retries) and the pool starts
+    afresh, as SQLAlchemy does on any disconnect."""
+
+    @event.listens_for(engine, "connect")
+    def _connected(_dbapi_conn: Any, record: Any) -> None:
+        record.info["idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkin")
+    def _checked_in(_dbapi_conn: Any, record: Any) -> None:
+        if record is not None:
+            record.info["idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checked_out(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        since = record.info.get("idle_since")
+        if since is not None and time.monotonic() - since < PING_AFTER_IDLE_SECONDS:
+            return
+        try:
+            engine.dialect.do_ping(dbapi_conn)
+        except Exception as exc:  # noqa: BLE001 - whatever the driver raised: the pool connects again
+            raise DisconnectionError(f"pooled connection failed its ping: {exc}") from exc
 
 
 # The database refuses one job's values (a value of an enum it lacks, a constraint): the same write fails on every

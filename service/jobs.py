@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
+import weakref
 from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import func
+from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from service import auth, dependencies, notify, resources, signals, tenancy
+from service.db import base_engine
 from service.errors import Conflict, InvalidSpec, NotFound, StaleWrite
 from service.models import Attempt, Checkpoint, ClusterSnapshot, EventKind, Job, JobEvent, JobState, Metric
 from service.settings import Settings
@@ -33,8 +37,30 @@ class Caller:
         return self.admin or job.owner == self.owner
 
 
-def spec_hash(spec: JobSpec) -> str:
-    return hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+def spec_hash(spec: JobSpec, dumped: dict | None = None) -> str:
+    """The spec's digest (`dumped`: its `model_dump(mode="json")` when the caller has it already)."""
+    body = spec.model_dump(mode="json") if dumped is None else dumped
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+SNAPSHOT_REUSE_SECONDS = 1.0  # a submission checks against a cluster snapshot read at most this long ago
+_shapes: weakref.WeakKeyDictionary[Engine, tuple[float, ClusterSnapshot | None]] = weakref.WeakKeyDictionary()
+
+
+def cluster_shape(session: Session) -> ClusterSnapshot | None:
+    """The cluster as a dispatcher last stored it (its nodes and totals), for `check_fits_cluster`; read again once
+    the kept copy is SNAPSHOT_REUSE_SECONDS old. The stored one is already up to a dispatcher tick old, so a second
+    more changes nothing a submission is told, and a burst of submissions reads it once a second, not once each (a
+    round trip of a PostgreSQL submission's six). None (no dispatcher has stored one yet) is kept the same way."""
+    engine = base_engine(session.get_bind())
+    kept = _shapes.get(engine)
+    now = time.monotonic()
+    if kept is not None and now - kept[0] < SNAPSHOT_REUSE_SECONDS:
+        return kept[1]
+    snap = session.get(ClusterSnapshot, 1)
+    shape = None if snap is None else ClusterSnapshot(id=1, nodes=list(snap.nodes or []), total=dict(snap.total or {}))
+    _shapes[engine] = (now, shape)  # (a detached copy: shared by the requests of the next second)
+    return shape
 
 
 def check_fits_cluster(spec: JobSpec, snapshot: ClusterSnapshot | None) -> None:
@@ -102,7 +128,8 @@ def submit(
         raise InvalidSpec(f"{field}: {message}", field=field)
     tenancy.check_spec(spec, caller, settings)
     notify.check_spec(spec, settings)
-    digest = spec_hash(spec)
+    dumped = spec.model_dump(mode="json")
+    digest = spec_hash(spec, dumped)
     if idempotency_key:
         existing = session.exec(
             select(Job).where(Job.owner == caller.owner, Job.idempotency_key == idempotency_key)
@@ -115,7 +142,7 @@ def submit(
 
         check_known(session, settings, spec.queue)
     try:
-        check_fits_cluster(spec, session.get(ClusterSnapshot, 1))
+        check_fits_cluster(spec, cluster_shape(session))
     except InvalidSpec as exc:
         if settings is None or not settings.cluster_may_grow:
             raise
@@ -126,7 +153,7 @@ def submit(
         team=caller.team,
         queue=spec.queue,
         priority=spec.priority,
-        spec=spec.model_dump(mode="json"),
+        spec=dumped,
         idempotency_key=idempotency_key,
         spec_hash=digest,
         state_reason=reason,
