@@ -9,7 +9,8 @@ import weakref
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import func
+from sqlalchemy import func, insert, literal
+from sqlalchemy import select as sa_select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
@@ -17,7 +18,7 @@ from sqlmodel import Session, col, select
 from service import auth, dependencies, notify, resources, signals, tenancy
 from service.db import base_engine
 from service.errors import Conflict, InvalidSpec, NotFound, StaleWrite
-from service.models import Attempt, Checkpoint, ClusterSnapshot, EventKind, Job, JobEvent, JobState, Metric
+from service.models import Attempt, Checkpoint, ClusterSnapshot, EventKind, Job, JobEvent, JobState, Metric, utcnow
 from service.settings import Settings
 from service.spec import JobSpec
 from service.state import record_event, transition
@@ -115,10 +116,14 @@ def submit(
     caller: Caller,
     idempotency_key: str | None = None,
     settings: Settings | None = None,
+    written_at_once: bool = False,
 ) -> tuple[Job, bool]:
     """Queue a job. Returns (job, created); a replay of the same idempotency key and body returns the first job.
 
     A job the cluster can never hold is refused (422), or, when `cluster_may_grow`, held with that reason.
+    `written_at_once`: on PostgreSQL, a job without `depends_on` is written with its event and signals in one
+    statement (`_insert_with_event`), and the returned job is not in the session: the caller reads it, never changes
+    it (POST /v1/jobs). Otherwise the job is added to the session, and flushed.
     """
     auth.check_submit(caller, queue=spec.queue, priority=spec.priority)
     too_deep = spec.nesting_problem(settings.max_spec_depth) if settings is not None else None
@@ -158,13 +163,20 @@ def submit(
         spec_hash=digest,
         state_reason=reason,
     )
-    session.add(job)
-    record_event(session, job.id, kind=EventKind.STATE, to_state=JobState.QUEUED, reason="submitted", attempt=0)
+    one_statement = written_at_once and not spec.depends_on and session.get_bind().dialect.name == "postgresql"
+    if not one_statement:
+        session.add(job)
+        record_event(session, job.id, kind=EventKind.STATE, to_state=JobState.QUEUED, reason="submitted", attempt=0)
     signals.publish(session, signals.ADMISSION)  # on commit: a dispatcher looks now (service.signals)
-    notify.store_secrets(session, job, spec)
-    notify.enqueue(session, job, from_state=None, to_state=JobState.QUEUED, reason="submitted", message=None,
-                   at=job.created_at)  # fmt: skip
     try:
+        if one_statement:
+            signals.publish(session, signals.EVENTS, job.id)  # (what record_event says of the event it adds)
+            # Nothing else to write, and nothing read in a transaction yet: the statement is the transaction.
+            alone = not session.in_transaction() and not spec.notify and not notify.cluster_targets(session.get_bind())
+            _insert_with_event(session, job, alone=alone)
+        notify.store_secrets(session, job, spec)
+        notify.enqueue(session, job, from_state=None, to_state=JobState.QUEUED, reason="submitted", message=None,
+                       at=job.created_at)  # fmt: skip
         session.flush()
     except IntegrityError:
         # Two replays of one key raced: the loser returns the winner's job.
@@ -177,6 +189,31 @@ def submit(
         raise
     dependencies.record(session, job, spec, owner=caller.owner, admin=caller.admin, now=job.created_at)
     return job, True
+
+
+def _insert_with_event(session: Session, job: Job, *, alone: bool = False) -> None:
+    """One statement on PostgreSQL: the job's row, its `submitted` event and the signals published so far
+    (`signals.unsent_notes`), in place of the ORM's INSERT, INSERT, then SELECT pg_notify(...) at commit. The row holds
+    every column of `job` as the ORM writes it (tests/service/test_spec_roundtrip.py reads both back the same); the
+    event is the one `record_event` adds. `alone`: it is all the submission writes, and nothing was read in a
+    transaction before it, so it runs as a transaction of its own (autocommit): one round trip in all, instead of
+    BEGIN, the statement and COMMIT; the signals are still heard in this process when the session commits."""
+    jobs_t, events_t = Job.__table__, JobEvent.__table__  # type: ignore[attr-defined]
+    new_job = insert(jobs_t).values({c.name: getattr(job, c.key) for c in jobs_t.columns}).returning(jobs_t.c.id)
+    job_cte = new_job.cte("new_job")
+    event = {"kind": EventKind.STATE.value, "from_state": None, "to_state": JobState.QUEUED, "reason": "submitted",
+             "message": None, "attempt": 0, "actor": None, "at": utcnow()}  # fmt: skip
+    columns = [job_cte.c.id, *(literal(v, events_t.c[k].type) for k, v in event.items())]
+    event_cte = (
+        insert(events_t).from_select(["job_id", *event], sa_select(*columns)).returning(events_t.c.id).cte("new_event")
+    )
+    said = [func.pg_notify(literal(channel), literal(payload)) for channel, payload in signals.unsent_notes(session)]
+    statement = sa_select(event_cte.c.id, *said).add_cte(job_cte).select_from(event_cte)
+    if not alone:
+        session.execute(statement)
+        return
+    with base_engine(session.get_bind()).connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT").execute(statement)
 
 
 def _replay(existing: Job, digest: str, key: str) -> tuple[Job, bool]:

@@ -34,6 +34,7 @@ CHANNELS = (ADMISSION, EVENTS)
 PG_PREFIX = "shunter_"  # PostgreSQL channel names: shunter_admission, shunter_events
 MAX_PAYLOAD = 7000  # PostgreSQL refuses a NOTIFY payload of 8000 bytes or more: longer batches are split
 _PENDING = "shunter_signals"
+_SENT = "shunter_signals_sent"  # of those, the ones a statement already carried (pg_notify_calls)
 
 Callback = Callable[[str], None]
 
@@ -44,15 +45,31 @@ def publish(session: Session, channel: str, payload: str = "") -> None:
     session.info.setdefault(_PENDING, {}).setdefault(channel, set()).add(payload)
 
 
-@event.listens_for(OrmSession, "before_commit")
-def _before_commit(session: OrmSession) -> None:
+def unsent_notes(session: Session) -> list[tuple[str, str]]:
+    """(channel, payload) of each NOTIFY for what `session` has published and not yet sent, which from now on counts
+    as sent: for a statement that carries its `pg_notify` calls itself (service.jobs writes a submission's job, event
+    and signals in one). They are still heard in this process once the transaction commits. Empty when there is
+    nothing to send, or the database is not PostgreSQL."""
     pending = session.info.get(_PENDING)
     if not pending or session.get_bind().dialect.name != "postgresql":
+        return []
+    sent = session.info.setdefault(_SENT, {})
+    # A NOTIFY per channel and 7000 bytes of payloads, which the listener splits again.
+    notes: list[tuple[str, str]] = []
+    for channel, payloads in sorted(pending.items()):
+        fresh = sorted(set(payloads) - sent.get(channel, set()))
+        if fresh:
+            notes += [(PG_PREFIX + channel, batch) for batch in _batches(fresh)]
+            sent.setdefault(channel, set()).update(fresh)
+    return notes
+
+
+@event.listens_for(OrmSession, "before_commit")
+def _before_commit(session: OrmSession) -> None:
+    notes = unsent_notes(session)  # type: ignore[arg-type]
+    if not notes:
         return
-    # One statement for all (a round trip of a submission's few): a NOTIFY per channel and 7000 bytes of payloads,
-    # which the listener splits again.
-    notes = [(PG_PREFIX + channel, batch) for channel, payloads in sorted(pending.items())
-             for batch in _batches(sorted(payloads))]  # fmt: skip
+    # One statement for all (a round trip of a submission's few).
     calls = ", ".join(f"pg_notify(:c{i}, :p{i})" for i in range(len(notes)))
     params = {k: v for i, (channel, batch) in enumerate(notes) for k, v in ((f"c{i}", channel), (f"p{i}", batch))}
     session.execute(text(f"SELECT {calls}"), params)
@@ -70,6 +87,7 @@ def _batches(payloads: list[str]) -> list[str]:
 
 @event.listens_for(OrmSession, "after_commit")
 def _after_commit(session: OrmSession) -> None:
+    session.info.pop(_SENT, None)
     pending = session.info.pop(_PENDING, None)
     if pending:
         hub_for(session.get_bind()).fire_local(pending)
@@ -78,6 +96,7 @@ def _after_commit(session: OrmSession) -> None:
 @event.listens_for(OrmSession, "after_rollback")
 def _after_rollback(session: OrmSession) -> None:
     session.info.pop(_PENDING, None)
+    session.info.pop(_SENT, None)
 
 
 class Hub:

@@ -95,7 +95,8 @@ def submit_job(
     idempotency_key: IdempotencyKey = None,
 ) -> JobPublic:
     """Queue a training job. With `Idempotency-Key`, a replay of the same body returns the first job (200)."""
-    job, created = jobs.submit(session, spec, caller=caller, idempotency_key=idempotency_key, settings=settings)
+    job, created = jobs.submit(session, spec, caller=caller, idempotency_key=idempotency_key, settings=settings,
+                               written_at_once=True)  # fmt: skip
     session.commit()
     if not created:
         response.status_code = status.HTTP_200_OK

@@ -128,6 +128,21 @@ def test_a_job_posted_on_an_idle_cluster_starts_without_waiting_for_the_tick(db:
     assert started is not None and started - posted < 1.0, f"STARTING {started - posted:.3f}s after the post"
 
 
+def test_a_job_written_in_one_statement_wakes_the_dispatcher_and_its_followers(db: Engine, dispatcher: Dispatcher):
+    """POST /v1/jobs writes a job, its event and their signals in one statement on PostgreSQL (`written_at_once`):
+    the signals still go out with its commit, to other processes (LISTEN) and this one's hub alike."""
+    hub = listening(db)
+    heard: list[str] = []
+    hub.subscribe(signals.EVENTS, heard.append)
+    with Session(db) as session:
+        job, _ = submit(session, JobSpec.model_validate(SPEC), caller=Caller(), written_at_once=True)
+        job_id = job.id
+        session.commit()
+    # The tick is 30 s: only the signal can have started it this soon.
+    wait_for(lambda: state_event_at(db, job_id, JobState.STARTING) is not None, timeout=10, what="STARTING")
+    wait_for(lambda: job_id in heard, timeout=10, what="the job's event signal")
+
+
 def test_the_drivers_last_word_ends_the_attempt_at_once_and_its_log_is_kept_once_ray_is_done(
     db: Engine, dispatcher: Dispatcher
 ) -> None:
