@@ -69,6 +69,7 @@ class Dispatcher(Finishing, HostEffects):
                                  preemption_grace_seconds=settings.preemption_grace_seconds)  # fmt: skip
         self.stalls = StallWatch(engine=engine, settings=settings, ray=ray, owner=owner)  # hang detection
         self._started = False
+        self._warm = False  # the backend's client made ahead of the first submission (after the first tick)
         self._stop_sent: dict[str, float] = {}
         self._specs: dict[str, tuple[JobSpec | None, str | None]] = {}
         self._faults: dict[str, float] = {}  # job id -> when its reconcile first failed unexpectedly (monotonic)
@@ -83,11 +84,6 @@ class Dispatcher(Finishing, HostEffects):
     # ---- the loop -------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
         self.waker = waker = signals.Waker(self.engine)
-        warm = getattr(self.ray, "warm", None)
-        if warm is not None:
-            # The Ray Jobs client is made now, not inside the first submission; on this thread, as the first tick's
-            # imports of Ray are: a module of Ray imported from two threads at once can be left half made.
-            warm()
         try:
             while not stop.is_set():
                 try:
@@ -142,6 +138,14 @@ class Dispatcher(Finishing, HostEffects):
         if cluster is not None:
             self.admit(cluster)
         self.late.step(self._pool.map)  # logs of attempts ended on their driver's word, once Ray's job has exited
+        if not self._warm:
+            # The Ray Jobs client is made after the first tick, not inside the first submission (importing it and
+            # Ray's version check take a few hundred ms); on this thread, as the tick's own imports of Ray are: a
+            # module of Ray imported from two threads at once can be left half made.
+            self._warm = True
+            warm = getattr(self.ray, "warm", None)
+            if warm is not None:
+                warm()
         self.last_tick_seconds = time.monotonic() - started
         DISPATCHER_TICK_SECONDS.observe(self.last_tick_seconds)
 

@@ -40,13 +40,15 @@ def run_loop(
     from workers.drain import NodeDraining, drained
     from workers.progress import announce_finished, announce_started, report_restored
 
-    if preflight is not None and preflight.get("enabled", True):
+    checked = preflight is not None and preflight.get("enabled", True)
+    if checked:
         from workers import preflight as check
 
         check.run(preflight)  # raises PreflightFailed, naming the rank and node at fault
     report_restored()
     if announce:
-        announce_started()
+        # A check that passed ran collectives every rank took part in: they have all started, no barrier needed.
+        announce_started(barrier=not checked)
     try:
         value = loop(config) if _takes_config(loop) else loop()
     except NodeDraining as stop:  # the drain checkpoint is written on every rank: end the run cleanly

@@ -191,14 +191,17 @@ def announce_finished() -> None:
 STARTED_PATIENCE_SECONDS = 10.0  # how long the start of training waits for an API that is restarting
 
 
-def announce_started() -> None:
-    """Every rank: wait until all ranks got here (a Ray Train barrier), then rank 0 tells shunter the attempt's
+def announce_started(*, barrier: bool = True) -> None:
+    """Every rank: wait until all ranks got here (a Ray Train barrier, unless the caller knows they all started: the
+    pre-flight check's collectives passed), then rank 0 tells shunter the attempt's
     ranks have all started, which makes the job RUNNING before its first report; it is sent from a thread of its
     own, so the loop starts at once. Never raises for shunter's part."""
     import ray.train
-    from ray.train.collective import barrier
 
-    barrier()
+    if barrier:
+        from ray.train.collective import barrier as every_rank
+
+        every_rank()
     if ray.train.get_context().get_world_rank() != 0:
         return
     from workers.attempt_api import in_background

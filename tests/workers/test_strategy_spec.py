@@ -158,7 +158,7 @@ def test_the_wrapper_calls_the_loop_as_ray_train_would(monkeypatch: pytest.Monke
     import workers.progress
 
     monkeypatch.setattr(workers.progress, "report_restored", lambda: None)  # no Ray Train session here
-    monkeypatch.setattr(workers.progress, "announce_started", lambda: None)
+    monkeypatch.setattr(workers.progress, "announce_started", lambda **_: None)
     finished: list[int] = []  # each loop that returned says so: the attempt succeeds on it (in a Train session)
     monkeypatch.setattr(workers.progress, "announce_finished", lambda: finished.append(1))
     calls: list[object] = []
