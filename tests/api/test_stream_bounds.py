@@ -150,24 +150,25 @@ def test_a_caller_may_hold_max_streams_per_caller_then_429(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("database", ["sqlite", "postgres"])
 def test_many_streams_do_not_starve_other_requests(tmp_path: Path, database: str) -> None:
-    """20 follow streams of one caller (the cap raised), more than the engine's pool (5 + 10 overflow): requests
-    still answer at once, because no stream holds a connection between its polls."""
+    """24 follow streams of one caller (the cap raised), more than the engine's pool (15 + 5 on PostgreSQL, 5 + 10
+    on SQLite): requests still answer, well before the pool's 30 s checkout timeout a held pool would make them wait
+    for, because no stream holds a connection between its polls."""
     with contextlib.ExitStack() as stack:
         db_url = stack.enter_context(fresh_pg_database()) if database == "postgres" else None
         url = stack.enter_context(api_process(tmp_path, db_url, SHUNTER_MAX_STREAMS_PER_CALLER="64"))
         http = stack.enter_context(httpx.Client(base_url=url, timeout=httpx.Timeout(10.0)))
         job = http.post("/v1/jobs", json=GOOD).json()["id"]
-        paths = [f"/v1/jobs/{job}/logs"] * 8 + [f"/v1/jobs/{job}/events"] * 8 + ["/v1/events"] * 4
+        paths = [f"/v1/jobs/{job}/logs"] * 10 + [f"/v1/jobs/{job}/events"] * 10 + ["/v1/events"] * 4
         with follow_streams(http, paths):
             time.sleep(1.5)  # every stream has polled the database a few times
             for _ in range(5):
                 started = time.monotonic()
-                r = http.get("/v1/jobs", timeout=5)
+                r = http.get("/v1/jobs", timeout=15)
                 elapsed = time.monotonic() - started
-                assert r.status_code == 200 and elapsed < 1.0, (r.status_code, f"{elapsed:.2f}s")
+                assert r.status_code == 200 and elapsed < 10.0, (r.status_code, f"{elapsed:.2f}s")
             started = time.monotonic()
-            assert http.post("/v1/jobs", json=GOOD, timeout=5).status_code == 201
-            assert time.monotonic() - started < 1.0
+            assert http.post("/v1/jobs", json=GOOD, timeout=15).status_code == 201
+            assert time.monotonic() - started < 10.0
 
 
 def test_every_stream_ends_at_the_maximum_duration(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """The GPU tier (tests/gpu/README.md): on CPU its strategy cases run under torchrun with gloo and no Ray, which proves
 the seam (`workers.session`) the tier stands on; the cases that need a GPU skip with their reason, and on a machine
-with CUDA the whole tier runs."""
+with CUDA the whole tier runs. What a lent device ran is a record (bench/results/gpu.json, with its commit), read
+by people and not by a test: a committed file proves nothing about the code beside it."""
 
 from __future__ import annotations
 
@@ -47,17 +48,6 @@ def test_a_case_that_needs_a_gpu_skips_on_cpu_with_its_reason(tmp_path: Path) ->
         if needs_gpu:
             case = cases.run_case(name, 1, "cpu", block_ray=True, keep=None)
             assert case == {"name": name, "what": cases.CASES[name][0], "passed": False, "skipped": "needs a GPU"}
-
-
-def test_the_committed_gpu_results_are_from_a_gpu_and_every_gpu_case_passed() -> None:
-    """bench/results/gpu.json is what a device run wrote: each case that needs a GPU is there and green."""
-    report = json.loads((ROOT / "bench/results/gpu.json").read_text())
-    assert report["device"] != "cpu" and "+cu" in report["torch"]
-    recorded = {c["name"]: c for c in report["cases"]}
-    for name, (_, needs_gpu, _) in cases.CASES.items():
-        if needs_gpu:
-            assert name in recorded, f"{name} has no GPU result"
-            assert recorded[name]["passed"] and not recorded[name].get("skipped"), recorded[name]
 
 
 @pytest.mark.slow

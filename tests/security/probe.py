@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import pwd
 from typing import Any
 
 
@@ -38,6 +39,7 @@ def train_loop(config: dict[str, Any]) -> None:
     internal = f"{url}/internal/v1/attempts/{victim}/1"
     result: dict[str, Any] = {
         "env": env,
+        "user": pwd.getpwuid(os.getuid()).pw_name,  # who the train loop runs as
         "write_victim_progress": _status(lambda: httpx.post(f"{internal}/report", headers=bearer,
                                                             json={"metrics": {"loss": 666.0}, "step": 999})),
         "end_victim_attempt": _status(lambda: httpx.post(f"{internal}/end", headers=bearer,

@@ -124,6 +124,14 @@ def test_cancel_queued_job_never_reaches_ray(service: Service, ray_head: LocalHe
         assert RayJobs(ray_head.dashboard_url).info(f"shunter-{queued.id}-1") is None
         c.cancel(blocker.id)
         assert c.wait(blocker.id, timeout=90).state == "CANCELLED"
+        # Now there is room, and admission passes go past where the cancelled job stood (a later job is admitted):
+        # it still never reaches Ray.
+        later = c.submit(mlp_spec())
+        wait_for(lambda: c.get(later.id).state != "QUEUED", timeout=90, what="a later job admitted")
+        assert c.get(queued.id).state == "CANCELLED"
+        assert RayJobs(ray_head.dashboard_url).info(f"shunter-{queued.id}-1") is None
+        c.cancel(later.id)
+        assert c.wait(later.id, timeout=90).state in ("CANCELLED", "SUCCEEDED")
 
 
 def test_restart_after_kill9_adopts_running_ray_job(service: Service, ray_head: LocalHead) -> None:

@@ -316,6 +316,8 @@ def test_reads_of_a_job_in_no_answer_that_waited_together_share_one_compute(
     take that compute's answer instead of each computing again (a user hammering it would hold up everyone's reads)."""
     import threading
 
+    from tests.conftest import wait_for
+
     with Session(db) as session:
         _one_cpu_cluster(session)
         _job(session, "q0", "alice", created=NOW, state=JobState.QUEUED)
@@ -335,6 +337,27 @@ def test_reads_of_a_job_in_no_answer_that_waited_together_share_one_compute(
     gate.clear()
     computes.clear()
 
+    class CountedLock:
+        """The estimate's lock, counting the reads that came to it: all eight have asked (and wait) before the one
+        compute among them may end, with no sleep to guess when."""
+
+        def __init__(self) -> None:
+            self._lock, self._count, self.arrived = threading.Lock(), threading.Lock(), 0
+
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+            with self._count:
+                self.arrived += 1
+            return self._lock.acquire(blocking, timeout)
+
+        def release(self) -> None:
+            self._lock.release()
+
+        def locked(self) -> bool:
+            return self._lock.locked()
+
+    lock = CountedLock()
+    monkeypatch.setitem(estimate._locks, str(settings.database_url), lock)
+
     def read() -> None:
         with Session(db) as session:
             estimate.estimates(session, settings, job_id="waiting-on-a-dependency")
@@ -342,7 +365,7 @@ def test_reads_of_a_job_in_no_answer_that_waited_together_share_one_compute(
     readers = [threading.Thread(target=read) for _ in range(8)]
     for reader in readers:
         reader.start()
-    time.sleep(0.5)
+    wait_for(lambda: lock.arrived == 8 and len(computes) == 1, timeout=30, what="all eight reads waiting")
     gate.set()
     for reader in readers:
         reader.join(30)

@@ -27,6 +27,7 @@ from service.settings import Settings
 from service.spec import JobSpec
 from tests.conftest import wait_for
 
+TICK = 30.0  # the dispatcher's tick here: what happens well before it was the work of a signal
 SPEC = {"name": "sig", "entrypoint": {"callable": "examples.mlp:train_loop"}, "resources": {"num_workers": 1}}
 
 
@@ -66,7 +67,7 @@ def test_a_signal_is_heard_after_its_commit_and_never_after_a_rollback(db: Engin
             assert not got.is_set(), "heard before the commit"
             session.commit()
         assert got.wait(5)
-        wait_for(lambda: len(heard) >= 2, timeout=5, what="both payloads")
+        wait_for(lambda: len(heard) >= 2, timeout=30, what="both payloads")
         time.sleep(0.3)  # anything else (the rolled-back one, a repeat) would have come by now
         assert sorted(heard) == ["j1", "j2"]
     finally:
@@ -83,7 +84,7 @@ def test_postgres_carries_a_signal_from_another_connection(db: Engine) -> None:
         with psycopg.connect(dsn, autocommit=True) as other:  # another process's connection, as far as PG knows
             other.execute("SELECT pg_notify('shunter_admission', 'job-a,job-b')")
         assert waker.wait(5), "the notification never arrived"
-        wait_for(lambda: waker._heard >= {"job-a", "job-b"}, timeout=5, what="both job ids")
+        wait_for(lambda: waker._heard >= {"job-a", "job-b"}, timeout=30, what="both job ids")
         assert waker.take() == {"job-a", "job-b"}
         assert not waker.event.is_set()
     finally:
@@ -94,7 +95,7 @@ def test_postgres_carries_a_signal_from_another_connection(db: Engine) -> None:
 def dispatcher(db: Engine, tmp_path: Path) -> Iterator[Dispatcher]:
     url = db.url.render_as_string(hide_password=False)
     settings = Settings(database_url=url, data_dir=tmp_path / "data", storage_uri=str(tmp_path / "ckpt"),
-                        dispatcher_tick_seconds=30.0, driver_linger_seconds=1.0)  # fmt: skip
+                        dispatcher_tick_seconds=TICK, driver_linger_seconds=1.0)  # fmt: skip
     listening(db)
     disp = Dispatcher(engine=db, settings=settings, owner="d1", ray=NoopJobs(tmp_path / "noop", run_seconds=3600))
     stop = threading.Event()
@@ -123,9 +124,10 @@ def post(engine: Engine) -> tuple[str, float]:
 
 def test_a_job_posted_on_an_idle_cluster_starts_without_waiting_for_the_tick(db: Engine, dispatcher: Dispatcher):
     job_id, posted = post(db)
-    wait_for(lambda: state_event_at(db, job_id, JobState.STARTING) is not None, timeout=5, what="STARTING")
+    wait_for(lambda: state_event_at(db, job_id, JobState.STARTING) is not None, timeout=TICK / 3, what="STARTING")
     started = state_event_at(db, job_id, JobState.STARTING)
-    assert started is not None and started - posted < 1.0, f"STARTING {started - posted:.3f}s after the post"
+    # The tick is 30 s: well under it, only the post's signal can have woken the dispatcher (bench.admission times it).
+    assert started is not None and started - posted < TICK / 3, f"STARTING {started - posted:.3f}s after the post"
 
 
 def test_a_job_written_in_one_statement_wakes_the_dispatcher_and_its_followers(db: Engine, dispatcher: Dispatcher):
@@ -147,15 +149,15 @@ def test_the_drivers_last_word_ends_the_attempt_at_once_and_its_log_is_kept_once
     db: Engine, dispatcher: Dispatcher
 ) -> None:
     job_id, _ = post(db)
-    wait_for(lambda: state_event_at(db, job_id, JobState.STARTING) is not None, timeout=5, what="STARTING")
+    wait_for(lambda: state_event_at(db, job_id, JobState.STARTING) is not None, timeout=TICK / 3, what="STARTING")
     with Session(db) as session:
         attempt = session.exec(select(Attempt).where(Attempt.job_id == job_id)).one()
-    wait_for(lambda: dispatcher.ray.info(attempt.submission_id) is not None, timeout=5, what="submitted")
+    wait_for(lambda: dispatcher.ray.info(attempt.submission_id) is not None, timeout=TICK / 3, what="submitted")
     said = time.time()
     assert progress.record_attempt_end(db, job_id=job_id, attempt=1, reason=EndReason.SUCCEEDED, message="succeeded")
-    wait_for(lambda: state_event_at(db, job_id, JobState.SUCCEEDED) is not None, timeout=5, what="SUCCEEDED")
+    wait_for(lambda: state_event_at(db, job_id, JobState.SUCCEEDED) is not None, timeout=TICK / 3, what="SUCCEEDED")
     ended = state_event_at(db, job_id, JobState.SUCCEEDED)
-    assert ended is not None and ended - said < 1.0, f"SUCCEEDED {ended - said:.3f}s after the driver's word"
+    assert ended is not None and ended - said < TICK / 3, f"SUCCEEDED {ended - said:.3f}s after the driver's word"
     assert dispatcher.ray.info(attempt.submission_id).status == "RUNNING"  # Ray (here: no-op) was still at it
     with Session(db) as session:
         row = session.get(Attempt, attempt.id)
@@ -181,12 +183,12 @@ def test_a_ray_job_that_fails_after_its_attempt_succeeded_is_an_event_not_a_fail
     """The attempt succeeded on every rank's word (workers.progress.announce_finished); Ray Train's teardown or the
     driver's exit then failed, so Ray calls the Ray Job FAILED: the job stays SUCCEEDED, and an event says so."""
     job_id, _ = post(db)
-    wait_for(lambda: state_event_at(db, job_id, JobState.STARTING) is not None, timeout=5, what="STARTING")
+    wait_for(lambda: state_event_at(db, job_id, JobState.STARTING) is not None, timeout=TICK / 3, what="STARTING")
     with Session(db) as session:
         attempt = session.exec(select(Attempt).where(Attempt.job_id == job_id)).one()
-    wait_for(lambda: dispatcher.ray.info(attempt.submission_id) is not None, timeout=5, what="submitted")
+    wait_for(lambda: dispatcher.ray.info(attempt.submission_id) is not None, timeout=TICK / 3, what="submitted")
     assert progress.record_attempt_end(db, job_id=job_id, attempt=1, reason=EndReason.SUCCEEDED, message="succeeded")
-    wait_for(lambda: state_event_at(db, job_id, JobState.SUCCEEDED) is not None, timeout=5, what="SUCCEEDED")
+    wait_for(lambda: state_event_at(db, job_id, JobState.SUCCEEDED) is not None, timeout=TICK / 3, what="SUCCEEDED")
     dispatcher.ray.fail(attempt.submission_id)
     dispatcher.late.step()
     assert attempt.id not in dispatcher.late.pending
@@ -201,12 +203,12 @@ def test_a_ray_job_that_fails_after_its_attempt_succeeded_is_an_event_not_a_fail
 
 def test_a_restarted_dispatcher_keeps_the_log_the_dead_one_left(db: Engine, dispatcher: Dispatcher, tmp_path: Path):
     job_id, _ = post(db)
-    wait_for(lambda: state_event_at(db, job_id, JobState.STARTING) is not None, timeout=5, what="STARTING")
+    wait_for(lambda: state_event_at(db, job_id, JobState.STARTING) is not None, timeout=TICK / 3, what="STARTING")
     with Session(db) as session:
         attempt = session.exec(select(Attempt).where(Attempt.job_id == job_id)).one()
-    wait_for(lambda: dispatcher.ray.info(attempt.submission_id) is not None, timeout=5, what="submitted")
+    wait_for(lambda: dispatcher.ray.info(attempt.submission_id) is not None, timeout=TICK / 3, what="submitted")
     progress.record_attempt_end(db, job_id=job_id, attempt=1, reason=EndReason.USER_ERROR, message="ValueError: x")
-    wait_for(lambda: state_event_at(db, job_id, JobState.FAILED) is not None, timeout=5, what="FAILED")
+    wait_for(lambda: state_event_at(db, job_id, JobState.FAILED) is not None, timeout=TICK / 3, what="FAILED")
     with Session(db) as session:
         assert session.get(Job, job_id).last_error == "ValueError: x"  # the driver's words, not a placeholder
     dispatcher.late.pending.clear()  # as if it died before Ray's job ended
@@ -295,7 +297,8 @@ def test_an_event_stream_hears_a_new_event_at_once_not_at_its_next_read(
         assert ended.wait(5), f"the stream did not end after the cancel: {seen}"
         arrived, last = seen[-1]
         assert last["to_state"] == "CANCELLED", seen
-        assert arrived - committed < 1.0, f"the cancel's event came {arrived - committed:.2f}s after its commit"
+        # Heard by the signal, not by the streams' 10 s safety-net read (PostgreSQL).
+        assert arrived - committed < 5.0, f"the cancel's event came {arrived - committed:.2f}s after its commit"
         assert not any(done.is_set() for done in quiet), "another job's stream ended"
 
 

@@ -68,7 +68,8 @@ def test_healthy_ranks_pass_with_facts_timings_and_bandwidth(tmp_path: Path) -> 
     for facts in report.ranks:
         assert facts.device == "cpu" and facts.cpus and facts.compute_seconds is not None
         assert facts.p2p_seconds is not None and facts.mem_available_gb
-    assert report.seconds < 2.0, report.seconds  # the check's cost (bench/preflight.py measures it through Ray)
+    # Seconds, not the 60 s a step may take (its timeout): what it costs is bench/preflight.py's to measure.
+    assert report.seconds < 20.0, report.seconds
     assert (summary(reports[0]) or "").startswith("passed in ")
 
 
