@@ -42,6 +42,21 @@ def machine() -> dict[str, Any]:
     }
 
 
+def commit() -> str | None:
+    """The checkout's commit, with "+changes" when the tree differs from it (the figures are the tree's)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True, timeout=10).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}+changes" if dirty else head
+
+
 def quiet(wait_s: float) -> tuple[bool, float]:
     """Whether the 1-minute load average is at most the core count, waiting up to `wait_s` for it; and the load."""
     cpus = os.cpu_count() or 1
@@ -177,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "mode": "quick" if args.quick else "full",
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "commit": commit(),
         "machine": machine(),
         "allow_load": args.allow_load,
         "parts": {},
