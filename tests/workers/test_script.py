@@ -27,6 +27,7 @@ def fit_script(tmp_path: Path, script: str, args: list[str], name: str) -> objec
     return trainer.fit()
 
 
+@pytest.mark.slow  # real Ray Train runs of a script (issue 34: they belong to the slow tier)
 def test_unchanged_ddp_script_runs_with_torchrun_env(ray_connected: object, tmp_path: Path, repo_root: Path) -> None:
     script = str(repo_root / "examples" / "scripts" / "train_ddp.py")
     fit_script(tmp_path, script, ["--epochs", "2", "--env-out", str(tmp_path)], "script-ddp")
@@ -39,6 +40,7 @@ def test_unchanged_ddp_script_runs_with_torchrun_env(ray_connected: object, tmp_
     assert {e["TORCHELASTIC_RUN_ID"] for e in envs} == {"script-ddp"}
 
 
+@pytest.mark.slow
 def test_failing_script_fails_the_run(ray_connected: object, tmp_path: Path) -> None:
     from ray.train import TrainingFailedError
 
