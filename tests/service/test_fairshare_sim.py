@@ -190,30 +190,30 @@ SHARE_TOLERANCE = 0.10  # each owner's share of resource-seconds within +-10% of
 ESTIMATES_WITHIN = 0.80  # of the jobs that waited, the part whose estimated start was within 25% of the real one
 
 
-def two_thousand(db: Engine, tmp_path: Path) -> None:
-    """2,000 jobs of four owners in two teams (weights 2:1; within the first, alice weighs twice bob), one dispatcher
-    (the multi-dispatcher runs above prove the same policy under contention, each well under 2 minutes; three
-    dispatchers here take 20 minutes for the same answer). Every waiting job's estimate is taken when it is first
-    seen waiting, with the whole queue and every running job as they stand then, and compared with when it really
-    started."""
-    summary = run(db, sim.fair(2000), 1, tmp_path, estimate=True)
-    assert summary["jobs"] == 2000 and summary["shares"]["window_fraction"] > 0.9, explain(summary)
+FAIR_JOBS = 600  # the CI size of the issue's 2,000-job run (python -m bench.fairshare_sim --jobs 2000 --dispatchers 1)
+
+
+def at_size(db: Engine, tmp_path: Path, jobs: int) -> None:
+    """`jobs` jobs of four owners in two teams (weights 2:1; within the first, alice weighs twice bob), one dispatcher
+    (the multi-dispatcher runs above prove the same policy under contention). Every waiting job's estimate is taken
+    when it is first seen waiting, with the whole queue and every running job as they stand then, and compared with
+    when it really started. The same invariants as the full 2,000-job run, which is `bench.fairshare_sim`'s."""
+    summary = run(db, sim.fair(jobs), 1, tmp_path, estimate=True)
+    assert summary["jobs"] == jobs and summary["shares"]["window_fraction"] > 0.9, explain(summary)
     assert summary["shares"]["max_deviation"] <= SHARE_TOLERANCE, explain(summary)
     assert summary["quotas"]["exceeded"] == [] and summary["quotas_admitted"]["exceeded"] == [], explain(summary)
     estimates = summary["estimates"]
-    assert estimates["jobs"] >= 1900 and estimates["no_estimate"] == 0, explain(summary)
+    assert estimates["jobs"] >= 0.95 * jobs and estimates["no_estimate"] == 0, explain(summary)
     assert estimates["share_within"] >= ESTIMATES_WITHIN, explain(summary)
 
 
-# SQLite only in the suite: the same 2,000 jobs on PostgreSQL take 6 to 10 minutes of one core more, and the whole CI
-# run must stay well inside its 90 (it took 75 on a slow day). The policy runs on PostgreSQL in the three-dispatcher
-# tests above; `python -m bench.fairshare_sim --jobs 2000 --dispatchers 1 --db postgres` is the long run there.
+# SQLite in the suite, at its CI size (40 s of an idle core; it was 2,000 jobs and 3.6 minutes of the quick tier).
+# `python -m bench.fairshare_sim --jobs 2000 --dispatchers 1 --db sqlite|postgres` is the full run; the policy runs
+# on PostgreSQL in the three-dispatcher tests above.
 @pytest.mark.parametrize("db", ["sqlite"], indirect=True)
-@pytest.mark.timeout(1800)  # 6 minutes on SQLite with both cores busy beside it (the default cap is 10)
-def test_two_thousand_jobs_share_by_weight_within_quotas_and_start_when_estimated(db: Engine, tmp_path: Path) -> None:
-    """About 3 minutes on one idle core: in the quick tier (a virtual clock: nothing here is timed, so it may share
-    the machine with other tests)."""
-    two_thousand(db, tmp_path)
+def test_jobs_share_by_weight_within_quotas_and_start_when_estimated(db: Engine, tmp_path: Path) -> None:
+    """A virtual clock: nothing here is timed, so it may share the machine with other tests."""
+    at_size(db, tmp_path, FAIR_JOBS)
 
 
 @pytest.mark.slow
