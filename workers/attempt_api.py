@@ -68,6 +68,18 @@ def in_background(api: AttemptApi, call: Any, what: str) -> Any:
     return _sender().submit(send)
 
 
+def sent_in_background(timeout: float) -> None:
+    """Wait (at most `timeout` s) until what `in_background` was given so far is sent: before the attempt's last word,
+    so news of the run (its pre-flight result, that it started) is never fenced off by its end."""
+    if _sender.cache_info().currsize:
+        from concurrent.futures import TimeoutError as Late
+
+        try:
+            _sender().submit(lambda: None).result(timeout=timeout)
+        except Late:
+            log.warning("shunter: news of this attempt still unsent after %.0fs", timeout)
+
+
 def transient(exc: BaseException) -> bool:
     """Whether a failed call may succeed if made again (the API down or restarting), rather than a refusal."""
     if isinstance(exc, httpx.HTTPStatusError):

@@ -185,6 +185,9 @@ def announce_finished() -> None:
     that is when the attempt succeeds (`ProgressCallback._finished`)."""
     import ray.train
 
+    from workers.attempt_api import sent_in_background
+
+    sent_in_background(timeout=STARTED_PATIENCE_SECONDS)  # rank 0's news first: an end would fence it off
     ray.train.report({FINISHED_METRIC: 1})
 
 

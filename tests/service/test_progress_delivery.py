@@ -123,3 +123,18 @@ def _checkpoint(path: Path) -> RayCheckpoint:
     path.mkdir(parents=True)
     (path / "state.pt").write_bytes(b"weights")
     return RayCheckpoint(path=str(path))
+
+
+def test_news_sent_in_the_background_is_sent_before_the_last_word() -> None:
+    """Rank 0 sends its pre-flight result and 'started' from a sender thread; before the run's finished report (whose
+    end would fence them off) it waits until they are sent."""
+    import time
+
+    from workers.attempt_api import in_background, sent_in_background
+
+    api = AttemptApi(f"http://127.0.0.1:{free_port()}", "token", "job", 1)
+    sent: list[str] = []
+    in_background(api, lambda a: (time.sleep(0.3), sent.append("preflight")), "a slow one")
+    in_background(api, lambda a: sent.append("started"), "the next")
+    sent_in_background(timeout=30)
+    assert sent == ["preflight", "started"]
