@@ -34,7 +34,7 @@ CHANNELS = (ADMISSION, EVENTS)
 PG_PREFIX = "shunter_"  # PostgreSQL channel names: shunter_admission, shunter_events
 MAX_PAYLOAD = 7000  # PostgreSQL refuses a NOTIFY payload of 8000 bytes or more: longer batches are split
 _PENDING = "shunter_signals"
-_SENT = "shunter_signals_sent"  # of those, the ones a statement already carried (pg_notify_calls)
+_SENT = "shunter_signals_sent"  # of those, the ones a statement already carried (unsent_notes)
 
 Callback = Callable[[str], None]
 

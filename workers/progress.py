@@ -196,9 +196,9 @@ STARTED_PATIENCE_SECONDS = 10.0  # how long the start of training waits for an A
 
 def announce_started(*, barrier: bool = True) -> None:
     """Every rank: wait until all ranks got here (a Ray Train barrier, unless the caller knows they all started: the
-    pre-flight check's collectives passed), then rank 0 tells shunter the attempt's
-    ranks have all started, which makes the job RUNNING before its first report; it is sent from a thread of its
-    own, so the loop starts at once. Never raises for shunter's part."""
+    pre-flight check's collectives passed), then rank 0 tells shunter the attempt's ranks have all started, which
+    makes the job RUNNING before its first report; it is sent from a thread of its own, so the loop starts at once.
+    Never raises for shunter's part."""
     import ray.train
 
     if barrier:
