@@ -77,8 +77,10 @@ def test_the_worker_and_its_jobs_registered_child_print_their_stacks_and_live_on
     assert f"pid {unregistered} (child of {proc.pid}): left alone, it does not catch SIGUSR1" in lines
     child_err = err.with_name("stderr.child")
     for where, frame in ((err, "worker_waits_here"), (child_err, "child_waits_here")):
-        text = wait_for(lambda w=where: "Current thread" in (t := w.read_text()) and t, timeout=10, what="stacks")
-        assert frame in str(text) and 'File "<string>"' in str(text), (where.name, text)
+        # faulthandler writes a dump in many small writes: wait for the frame's own line, not the dump's first one
+        # (CI once read "Current thread ...\n  File \"<string>\"" with the rest still on its way).
+        text = wait_for(lambda w=where, f=frame: f in (t := w.read_text()) and t, timeout=10, what=f"{frame}'s stack")
+        assert "Current thread" in str(text) and 'File "<string>", line ' in str(text), (where.name, text)
     time.sleep(0.5)
     assert all(alive(pid) for pid in (proc.pid, mine, unregistered, others))  # nobody was killed by it
 
