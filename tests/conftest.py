@@ -34,6 +34,26 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHead]:
 
 
 @pytest.fixture(scope="session")
+def session_multinode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """One 3-node Ray cluster (`tests.service.conftest.multinode_cluster`) for every multi-node test of the session;
+    tests take it through `multinode`, which puts removed or swapped nodes back. The tests that use it run last
+    (`pytest_collection_modifyitems` below), so it is up only while they run."""
+    from tests.service.conftest import multinode_cluster
+
+    with multinode_cluster(tmp_path_factory.mktemp("multinode")) as mn:
+        yield mn
+
+
+MULTINODE_FIXTURES = {"session_multinode", "multinode", "three_nodes"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Multi-node tests after all others (in their order), so the session's 3-node cluster starts once, late, and
+    stays up only while they run."""
+    items.sort(key=lambda item: bool(MULTINODE_FIXTURES & set(getattr(item, "fixturenames", ()))))  # stable
+
+
+@pytest.fixture(scope="session")
 def ray_connected(ray_head: LocalHead) -> LocalHead:
     """This pytest process as a Ray driver of the session's head (for tests that run Ray Train in-process)."""
     import ray

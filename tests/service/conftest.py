@@ -142,14 +142,40 @@ def service_env(data_dir: Path, head: LocalHead, port: int, **extra: str) -> dic
     return env
 
 
-@pytest.fixture
-def service(tmp_path: Path, ray_head: LocalHead) -> Iterator[Service]:
-    svc = Service(data_dir=tmp_path, port=free_port(), env=service_env(tmp_path, ray_head, 0))
+@pytest.fixture(scope="module")
+def module_service(tmp_path_factory: pytest.TempPathFactory, ray_head: LocalHead) -> Iterator[Service]:
+    """One `shunter serve` for a module's tests (a start is a few seconds of this machine's two cores)."""
+    data_dir = tmp_path_factory.mktemp("service")
+    svc = Service(data_dir=data_dir, port=free_port(), env=service_env(data_dir, ray_head, 0))
     svc.env["SHUNTER_PORT"] = str(svc.port)
     svc.start()
     yield svc
     svc.stop()
     stop_leftover_ray_jobs(ray_head)
+
+
+@pytest.fixture
+def service(module_service: Service, ray_head: LocalHead) -> Iterator[Service]:
+    """The module's `shunter serve`, running (started again if a test before killed it), and left with nothing
+    running for the next test: a test's jobs that did not end are cancelled through the API, then any Ray Job still
+    up is stopped. Tests tell their jobs apart by id (a list of the module's jobs holds those of earlier tests)."""
+    if module_service.proc is None or module_service.proc.poll() is not None:
+        module_service.start()
+    yield module_service
+    if module_service.proc is not None and module_service.proc.poll() is None:
+        cancel_unended(module_service)
+    stop_leftover_ray_jobs(ray_head)
+
+
+def cancel_unended(svc: Service) -> None:
+    """Cancel every job of `svc` that has not ended and wait for their ends, so none is admitted after the test."""
+    with svc.client() as c:
+        unended = [j.id for j in c.list(limit=500).items if j.state not in ("SUCCEEDED", "FAILED", "CANCELLED")]
+        for job_id in unended:
+            with contextlib.suppress(Exception):  # it may have ended meanwhile (409)
+                c.cancel(job_id)
+        for job_id in unended:
+            c.wait(job_id, timeout=120)
 
 
 def stop_leftover_ray_jobs(head: LocalHead) -> None:
@@ -172,6 +198,56 @@ class MultiNode:
     cluster: object
     head: LocalHead
     workers: dict[str, object]  # name -> node handle
+    swapped: set[str] = field(default_factory=set)  # nodes started with an environment of a test's own
+    drained: set[str] = field(default_factory=set)  # nodes given a drain notice (`drain_node` on a MultiNode's node)
+
+    def add_worker(self, name: str, env_vars: dict[str, str] | None = None) -> object:
+        """Start worker node `name` (1 CPU, custom resource `node_<name>`) on its own address (127.0.0.2 for `a`, .3
+        for `b`), as separate hosts are: Ray Train numbers nodes and local ranks by node IP, so nodes sharing the
+        head's IP would count as one."""
+        node = self.cluster.add_node(  # type: ignore[attr-defined]
+            num_cpus=1, resources={f"node_{name}": 1}, node_ip_address=f"127.0.0.{2 + WORKER_NAMES.index(name)}",
+            env_vars=env_vars,
+        )  # fmt: skip
+        self.workers[name] = node
+        if env_vars:
+            self.swapped.add(name)
+        return node
+
+    def swap(self, name: str, env_vars: dict[str, str]) -> object:
+        """Replace node `name` by a fresh one whose raylet (and so its workers) has `env_vars`; `restore` undoes it."""
+        self.cluster.remove_node(self.workers[name], allow_graceful=True)  # type: ignore[attr-defined]
+        node = self.add_worker(name, env_vars)
+        self.wait_for_nodes()
+        return node
+
+    def wait_for_nodes(self, timeout: float = 90) -> None:
+        """Ray's live nodes are the cluster's: a node removed without grace counts as live until Ray's health check
+        gives it up (`Cluster.wait_for_nodes` allows 30 s, less than that can take on a loaded machine)."""
+        expected = len(self.cluster.list_all_nodes())  # type: ignore[attr-defined]
+        live = self.cluster.global_state._live_node_ids  # type: ignore[attr-defined]
+        wait_for(lambda: len(live()) == expected, timeout=timeout, what=f"{expected} live Ray nodes")
+
+    def restore(self) -> None:
+        """After a test: leftover jobs stopped, and nodes `a` and `b` as the cluster started them, alive, each with
+        one free CPU (a test may have removed one, as an autoscaler or a spot reclaim would, or swapped one)."""
+        stop_leftover_ray_jobs(self.head)
+        changed = False
+        for name in WORKER_NAMES:
+            node = self.workers[name]
+            there = node in self.cluster.worker_nodes  # type: ignore[attr-defined]
+            if name in self.swapped or name in self.drained or not there:
+                if there:
+                    self.cluster.remove_node(node, allow_graceful=True)  # type: ignore[attr-defined]
+                self.drained.discard(name)
+                self.swapped.discard(name)
+                self.add_worker(name)
+                changed = True
+        if changed:
+            self.wait_for_nodes()
+
+
+WORKER_NAMES = ("a", "b")
 
 
 @contextlib.contextmanager
@@ -195,26 +271,22 @@ def multinode_cluster(tmp: Path, node_env: dict[str, dict[str, str]] | None = No
             "dashboard_host": "127.0.0.1",
             "dashboard_port": dashboard_port,
             "resources": {"head": 1},
+            # A node removed without grace is given up after 3 missed health checks 1 s apart instead of Ray's 5
+            # at 3 s (15 s a node-loss test waits); each check still has Ray's 10 s to be answered, so a node slow
+            # under load is not given up.
+            "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
         },
     )
     try:
-        # Each worker node on an address of its own (127.0.0.2, .3), as separate hosts are: Ray Train numbers
-        # nodes and local ranks by node IP, so nodes sharing the head's IP would count as one.
-        workers = {
-            name: cluster.add_node(
-                num_cpus=1,
-                resources={f"node_{name}": 1},
-                node_ip_address=f"127.0.0.{2 + i}",
-                env_vars=(node_env or {}).get(name),
-            )  # fmt: skip
-            for i, name in enumerate(("a", "b"))
-        }
-        cluster.wait_for_nodes()
         head = LocalHead(
             gcs_address=cluster.address, dashboard_url=f"http://127.0.0.1:{dashboard_port}", temp_dir=str(tmp)
         )
+        mn = MultiNode(cluster=cluster, head=head, workers={})
+        for name in WORKER_NAMES:
+            mn.add_worker(name, (node_env or {}).get(name))
+        cluster.wait_for_nodes()
         wait_for(lambda: httpx.get(f"{head.dashboard_url}/api/version").status_code == 200, what="dashboard")
-        yield MultiNode(cluster=cluster, head=head, workers=workers)
+        yield mn
     finally:
         cluster.shutdown()
         os.environ.clear()
@@ -222,17 +294,12 @@ def multinode_cluster(tmp: Path, node_env: dict[str, dict[str, str]] | None = No
 
 
 @pytest.fixture
-def multinode(tmp_path: Path) -> Iterator[MultiNode]:
-    """A fresh 3-node cluster for one test (tests that remove nodes)."""
-    with multinode_cluster(tmp_path) as mn:
-        yield mn
-
-
-@pytest.fixture(scope="module")
-def multinode_shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNode]:
-    """One 3-node cluster for a module's tests (each leaves it as it found it)."""
-    with multinode_cluster(tmp_path_factory.mktemp("multinode")) as mn:
-        yield mn
+def multinode(session_multinode: MultiNode) -> Iterator[MultiNode]:
+    """The session's 3-node cluster (`tests/conftest.py`), for one test, which may remove or swap nodes `a` and `b`:
+    they are put back afterwards, as they started (one cluster start for every multi-node test instead of one each,
+    about 20 s of this machine's two cores each time)."""
+    yield session_multinode
+    session_multinode.restore()
 
 
 def train_worker_nodes(dashboard_url: str, submission_id: str) -> list[str]:

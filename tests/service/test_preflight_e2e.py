@@ -5,23 +5,23 @@ in /v1/cluster (one job's failure is enough here) until an admin lets it back in
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from service.ray_local import free_port
-from tests.service.conftest import MultiNode, Service, multinode_cluster, service_env
+from tests.service.conftest import MultiNode, Service, service_env
 from tests.service.test_e2e_serve import mlp_spec
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def bad_b(tmp_path: Path) -> Iterator[MultiNode]:
-    with multinode_cluster(tmp_path / "ray", node_env={"b": {"SHUNTER_PREFLIGHT_INJECT": "wrong_sum"}}) as mn:
-        yield mn
+def bad_b(multinode: MultiNode) -> MultiNode:
+    """The session's 3-node cluster with node b swapped for one whose raylet has the injection (put back after)."""
+    multinode.swap("b", {"SHUNTER_PREFLIGHT_INJECT": "wrong_sum"})
+    return multinode
 
 
 def test_a_node_that_fails_the_check_is_named_and_kept_off_the_retry(bad_b: MultiNode, tmp_path: Path) -> None:

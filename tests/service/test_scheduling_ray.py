@@ -17,16 +17,16 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def svc(multinode_shared: MultiNode, tmp_path: Path) -> Iterator[Service]:
+def svc(multinode: MultiNode, tmp_path: Path) -> Iterator[Service]:
     service = Service(data_dir=tmp_path, port=free_port(), env={})
     service.env = service_env(
-        tmp_path, multinode_shared.head, service.port,
+        tmp_path, multinode.head, service.port,
         SHUNTER_QUEUES=json.dumps({"urgent": {"preemption": True}}), SHUNTER_PREEMPTION_GRACE_SECONDS="60",
     )  # fmt: skip
     service.start()
     yield service
     service.stop()
-    stop_leftover_ray_jobs(multinode_shared.head)
+    stop_leftover_ray_jobs(multinode.head)
 
 
 def state_events(c, job_id: str) -> list:
@@ -51,14 +51,14 @@ def test_two_jobs_that_cannot_both_fit_run_one_after_the_other(svc: Service) -> 
 
 
 @pytest.mark.parametrize(("placement", "distinct_nodes"), [("pack", 1), ("spread", 2)])
-def test_pack_and_spread_placement(svc: Service, multinode_shared: MultiNode, placement: str,
+def test_pack_and_spread_placement(svc: Service, multinode: MultiNode, placement: str,
                                    distinct_nodes: int) -> None:  # fmt: skip
     spec = mlp_spec(total_steps=100_000, step_sleep=0.05)
     spec["resources"] = {"num_workers": 2, "resources_per_worker": {"CPU": 0.5}, "placement": placement}
     with svc.client() as c:
         job = c.submit(spec)
         wait_for(lambda: c.get(job.id).state == "RUNNING", timeout=120, what="RUNNING")
-        nodes = train_worker_nodes(multinode_shared.head.dashboard_url, f"shunter-{job.id}-1")
+        nodes = train_worker_nodes(multinode.head.dashboard_url, f"shunter-{job.id}-1")
         assert len(nodes) == 2 and len(set(nodes)) == distinct_nodes
         c.cancel(job.id)
         assert c.wait(job.id, timeout=90).state == "CANCELLED"
@@ -68,7 +68,7 @@ def test_higher_priority_job_preempts_and_the_preempted_one_resumes(svc: Service
     low_spec = {
         # Preemption stays inside a queue (issue 12): the low job runs in the urgent queue too.
         "name": "low", "priority": 0, "queue": "urgent", "entrypoint": {"callable": "examples.gpt2_tiny:train_loop"},
-        "config": {"steps": 150, "checkpoint_every": 100, "step_sleep": 0.1},
+        "config": {"steps": 80, "checkpoint_every": 100, "step_sleep": 0.1},
         "resources": {"num_workers": 2}, "retries": {"max_attempts": 1},
     }  # fmt: skip
     with svc.client() as c:
@@ -85,7 +85,7 @@ def test_higher_priority_job_preempts_and_the_preempted_one_resumes(svc: Service
         assert ("RUNNING", "QUEUED", "preempted") in [(e.from_state, e.to_state, e.reason) for e in events]
         first = c.attempts(low.id)[0]
         assert first.end_reason == "preempted"
-        # The checkpoint taken on the notice (not a scheduled one at step 100) is where attempt 2 starts.
+        # The checkpoint taken on the notice (the schedule, every 100 steps, makes none in 80): attempt 2 starts there.
         notice_ckpt = max(k.step for k in c.checkpoints(low.id) if k.attempt == 1)
         assert notice_ckpt < 100
         resumed = min(m.step for m in c.metrics(low.id, name="loss") if m.attempt == 2)

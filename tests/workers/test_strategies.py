@@ -47,20 +47,18 @@ def fit(tmp_path: Path, name: str, config: dict[str, Any], workers: int = 2) -> 
 
 
 @pytest.fixture(scope="module")
-def three_nodes(ray_head: LocalHead, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    """This process as the driver of a 3-node cluster (`ray.cluster_utils.Cluster`: a head and two nodes of 1 CPU each
-    on their own addresses), so a run at 3 workers has one on each node; afterwards, of the session's head again."""
+def three_nodes(ray_head: LocalHead, session_multinode: object) -> Iterator[object]:
+    """This process as the driver of the session's 3-node cluster (`ray.cluster_utils.Cluster`: a head and two nodes
+    of 1 CPU each on their own addresses), so a run at 3 workers has one on each node; afterwards, of the session's
+    head again."""
     import ray
-
-    from tests.service.conftest import multinode_cluster
 
     if ray.is_initialized():
         ray.shutdown()
     try:
-        with multinode_cluster(tmp_path_factory.mktemp("three-nodes")) as mn:
-            ray.init(address=mn.cluster.address, log_to_driver=False)
-            yield mn
-            ray.shutdown()
+        ray.init(address=session_multinode.cluster.address, log_to_driver=False)  # type: ignore[attr-defined]
+        yield session_multinode
+        ray.shutdown()
     finally:
         ray.init(address=ray_head.gcs_address, log_to_driver=False)
 
