@@ -1,6 +1,7 @@
 """Issue 6 end to end: a real `shunter serve` with tokens, a real Ray head, real DDP training, real HTTP.
 
-One job proves follow-logs (to the last line), the SSE timeline (every state change, in order), ownership,
+One job proves the walking skeleton (run to its end, its checkpoints on disk, its end before Ray's teardown, its log
+kept), follow-logs (to the last line), the SSE timeline (every state change, in order), ownership,
 Prometheus counters, the cluster view and the new CLI commands; then the logs are read with Ray out of reach.
 """
 
@@ -11,6 +12,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,10 +20,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from api.app import create_app
 from api.client import ApiError, Client
 from api.schemas import EventPublic
+from service.ray_jobs import RayJobs
 from service.ray_local import LocalHead, free_port
 from service.runtime import Runtime
 from service.settings import Settings
 from tests.api.conftest import TOKENS
+from tests.conftest import wait_for
 from tests.service.conftest import Service, service_env, stop_leftover_ray_jobs
 
 pytestmark = pytest.mark.slow
@@ -72,6 +76,27 @@ def test_job_seen_through_every_view(secured: Service, ray_head: LocalHead) -> N
         t.join(timeout=30)
         assert not t.is_alive(), "a follow stream did not end with the job"
     assert done.state == "SUCCEEDED", done.last_error
+    assert done.attempt == 1 and done.step == 30
+    assert done.loss is not None and done.loss < 1.0
+    # The checkpoints lie on disk under the job's storage, as the API says.
+    assert done.latest_checkpoint and Path(done.latest_checkpoint, "state.pt").is_file()
+    assert Path(done.latest_checkpoint).is_relative_to(secured.data_dir / "checkpoints" / job.id)
+    assert [k.step for k in alice.checkpoints(job.id)] == [10, 20, 30]
+    assert [j.id for j in alice.list(state="SUCCEEDED").items] == [job.id]
+
+    # It ended on its driver's word, before Ray's teardown let Ray call the Ray Job ended; Ray agrees once it has,
+    # under the deterministic submission id, and the attempt's log is kept then.
+    ray = RayJobs(ray_head.dashboard_url)
+    info = wait_for(lambda: (i := ray.info(f"shunter-{job.id}-1")) is not None and i.is_terminal and i, timeout=60,
+                    what="Ray's end of the job")  # fmt: skip
+    assert info.status == "SUCCEEDED" and done.ray_submission_id == f"shunter-{job.id}-1"
+    ray_end = httpx.get(f"{ray_head.dashboard_url}/api/jobs/shunter-{job.id}-1", timeout=10).json()["end_time"]
+    succeeded = next(e.at for e in alice.events(job.id) if e.to_state == "SUCCEEDED")
+    assert succeeded.timestamp() < ray_end / 1000, "the job's end waited for Ray's teardown"
+    kept = wait_for(lambda: (a := alice.attempts(job.id)[0]).ray_status == "SUCCEEDED" and a, timeout=30,
+                    what="the attempt's log kept once Ray's job ended")  # fmt: skip
+    assert kept.end_reason == "succeeded"
+    assert "done: 30 steps" in (secured.data_dir / "logs" / job.id / "attempt-1.log").read_text()
 
     # Follow-logs ends with the job's last line (from shunter's stored copy of the attempt's log).
     text = "".join(followed)

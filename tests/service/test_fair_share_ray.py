@@ -1,7 +1,8 @@
-"""Fair share on a real local Ray: alice queues four 2-worker jobs, then bob one; bob's runs second, not fifth.
+"""Fair share on a real local Ray: alice queues three 2-worker jobs, then bob one; bob's runs second, not
+fourth as first come, first served would run it (and alice's own keep their order).
 
 The session's Ray head has 4 logical CPUs, so each job asks 2 CPUs per worker: one worker group fills the cluster and
-the jobs run one at a time, as four 1-CPU-worker jobs would on a 2-CPU machine.
+the jobs run one at a time, as 1-CPU-worker jobs would on a 2-CPU machine.
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ def svc(ray_head, tmp_path: Path) -> Iterator[Service]:
     stop_leftover_ray_jobs(ray_head)
 
 
-def test_bobs_one_job_runs_second_behind_alices_running_one_not_fifth(svc: Service) -> None:
+def test_bobs_one_job_runs_second_behind_alices_running_one_not_fourth(svc: Service) -> None:
     spec = mlp_spec(total_steps=10, checkpoint_every=10)
     spec["resources"] = {"num_workers": 2, "resources_per_worker": {"CPU": RAY_TEST_CPUS / 2}}
     with Client(svc.url, token="tok-alice") as alice, Client(svc.url, token="tok-bob") as bob:
         first = alice.submit(spec | {"name": "alice-0"}).id
         wait_for(lambda: alice.get(first).state in ("STARTING", "RUNNING"), timeout=60, what="alice's first admitted")
-        rest = [alice.submit(spec | {"name": f"alice-{i}"}).id for i in range(1, 4)]
+        rest = [alice.submit(spec | {"name": f"alice-{i}"}).id for i in range(1, 3)]
         mine = bob.submit(spec | {"name": "bob-0"}).id
         queued = bob.get(mine)
         assert queued.state == "QUEUED" and queued.position is not None

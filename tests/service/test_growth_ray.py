@@ -1,6 +1,8 @@
 """An elastic job grows into room that frees up (issue 16), on real Ray: it starts at what is free beside another job,
 and once that job ends it is asked to yield, checkpoints at its next report, and runs again at its max from that
-step, with `grow_requested` and `resized` events; no step is lost and no attempt is counted."""
+step, with `grow_requested` and `resized` events; no step is lost and no attempt is counted. Its first attempt is also
+the proof that `num_workers: {min, max}` starts at what is free instead of waiting for its max: it says its size,
+and Ray Train runs exactly that many workers."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 
 from service.ray_local import LocalHead, free_port
 from tests.conftest import wait_for
-from tests.service.conftest import Service, service_env
+from tests.service.conftest import Service, service_env, train_worker_nodes
 from tests.service.test_e2e_serve import mlp_spec
 
 pytestmark = pytest.mark.slow
@@ -32,10 +34,15 @@ def test_an_elastic_job_grows_to_its_max_when_room_frees_up(ray_head: LocalHead,
             job = c.submit(spec)
             wait_for(lambda: (c.get(job.id).step or 0) >= 3, timeout=180, what="elastic job training")
             assert c.get(job.id).world_size == 2
+            # What Ray Train runs: two workers, as admitted ("at 2 workers of 1 to 4"), not its max.
+            assert len(train_worker_nodes(ray_head.dashboard_url, f"shunter-{job.id}-1")) == 2
+            admitted = [e.message for e in c.events(job.id) if e.reason == "admitted"]
+            assert admitted == ["at 2 workers of 1 to 4"], admitted
             c.cancel(blocker.id)
             done = c.wait(job.id, timeout=300)
             assert done.state == "SUCCEEDED", done.last_error
             assert done.attempt == 2 and done.world_size == 4 and done.step == 40
+            assert done.spec["resources"]["num_workers"] == {"min": 1, "max": 4}  # the spec reads back as sent
             events = c.events(job.id)
             asked = [e.message for e in events if e.reason == "grow_requested"]
             assert len(asked) == 1 and "room for 4 workers (it runs 2)" in asked[0], asked

@@ -10,8 +10,8 @@ import pytest
 from service.spec import JobSpec
 from workers.entrypoint import train_loop_for
 
+# DDP's run of the recipe is tests/service/test_strategies_e2e.py's, through the service (the same steps and checks).
 STRATEGIES = {
-    "ddp": {"kind": "ddp"},
     "fsdp": {"kind": "fsdp"},
     "zero3": {"kind": "deepspeed", "deepspeed": {"zero_stage": 3}},
 }
