@@ -1,6 +1,8 @@
 """A chaos run against a real deployment on this machine: PostgreSQL, an external Ray head, two `shunter api` and
 two `shunter dispatcher` processes. Many short checkpointing jobs run while random shunter processes are SIGKILLed
-at random moments (and started again), and the Ray head is killed and started again once. Then the invariants:
+at random moments (and started again), and the Ray head is killed and started again once, during which shunter
+reconnects without a restart of its own (its APIs say Ray is why they are not ready, then are ready again, every
+process the same). Then the invariants:
 
 - every job SUCCEEDED, at its last step;
 - no training step ran twice within an attempt, and each later attempt started right after a complete checkpoint of
@@ -135,6 +137,7 @@ class Chaos:
         self.job_ids: list[str] = []
         self.traces: dict[str, Path] = {}
         self.lease_problems: dict[str, str] = {}  # job id -> the first stale lease seen on it
+        self.restart_problems: list[str] = []  # what the head restart found wrong in shunter's reconnection
         self.lease_samples = 0
 
     # ---- the deployment -----------------------------------------------------------------------------------------
@@ -236,10 +239,35 @@ class Chaos:
         return False
 
     def restart_head(self) -> None:
+        """Kill the head and start it again at the same address (a new cluster: Ray's job table is gone, as after a
+        KubeRay head pod restart). shunter reconnects without being restarted: the APIs say why they are not ready
+        meanwhile (503, Ray named), and every shunter process that was up before the kill is the same process once
+        the APIs are ready again. Kills pause meanwhile (the run is one loop)."""
         self.ray_ids_before_restart = self._ray_ids()
+        before = {p.name: p.popen.pid for p in self.processes if p.popen is not None and p.alive()}
         self.head.kill()
+        said: list[str] = []
+
+        def not_ready_for_ray() -> bool:
+            for api in self.processes[:2]:
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    r = httpx.get(f"{api.url}/readyz", timeout=5)
+                    if r.status_code == 503:
+                        said.append(r.json()["why"].get("ray", ""))
+                        return True
+            return False
+
+        self._wait(not_ready_for_ray, 30, "an API's /readyz to say Ray is not ready")
+        if not said[-1].startswith("not ready: Ray"):
+            self.restart_problems.append(f"/readyz during the head restart did not name Ray: {said[-1]!r}")
         time.sleep(self.rng.uniform(0.5, 3.0))
         self.head.start()
+        for api in self.processes[:2]:
+            self._wait(api.ready, 90, f"{api.name} ready again after the head restart")
+        after = {p.name: p.popen.pid for p in self.processes if p.popen is not None and p.alive()}
+        if after != before:
+            self.restart_problems.append(f"shunter processes restarted or gone over the head restart: {before} -> "
+                                         f"{after}")  # fmt: skip
         self.head_restarts += 1
 
     def _ray_ids(self) -> list[str]:
@@ -339,7 +367,7 @@ class Chaos:
         doubled = [s for s, n in Counter(ray_ids).items() if n > 1]
         if doubled:
             problems.append(f"Ray submission ids used twice: {doubled}")
-        problems += self.dead_leases() + list(self.lease_problems.values())
+        problems += self.dead_leases() + list(self.lease_problems.values()) + self.restart_problems
         if not self.lease_samples:
             problems.append("leases were never sampled during the run")
         return ChaosReport(
