@@ -265,6 +265,37 @@ def test_a_file_rewritten_before_every_scan_goes_once_it_has_rested(tmp_path: Pa
     assert stored.read_bytes() == b"epoch 2"
 
 
+def test_a_file_rewritten_just_before_every_scan_of_the_thread_is_kept_while_it_is_rewritten(
+    tmp_path: Path, outputs: Path
+) -> None:
+    """A writer whose period is the scans' own, a little ahead of each (the torchrun tutorial's snapshot every 2 s
+    under the 2 s scan: CI saw test_script_jobs' snapshot kept only when the script ended). Every scan finds the file
+    changed and modified a moment ago, so neither rule above ever holds at a scan; the thread looks again once the
+    file can have rested (QUIET_SECONDS on), not a whole interval later, and keeps it while it is still rewritten."""
+    out = tmp_path / "out"
+    snapshot, stored = out / "snapshot.pt", outputs / "out" / "snapshot.pt"
+    interval = 1.0
+    sync = OutputSync({"out": out}, str(outputs), interval=interval)
+    stop = threading.Event()
+
+    def writer(started: float) -> None:
+        epoch, at = 0, started + interval - 0.1  # 0.1 s before each of the thread's scans
+        while not stop.wait(max(0.0, at - time.monotonic())):
+            epoch, at = epoch + 1, at + interval
+            write(snapshot, f"epoch {epoch}".encode())
+
+    rewriting = threading.Thread(target=writer, args=(time.monotonic(),))
+    sync.start()
+    rewriting.start()
+    try:
+        wait_for(stored.exists, timeout=8 * interval, what="the snapshot kept while it is still rewritten")
+        assert rewriting.is_alive() and stored.read_bytes().startswith(b"epoch ")
+    finally:
+        stop.set()
+        rewriting.join()
+        sync.stop(final=False)
+
+
 def test_storage_away_is_retried(tmp_path: Path, outputs: Path, caplog: pytest.LogCaptureFixture) -> None:
     out = tmp_path / "out"
     calls = Calls()
