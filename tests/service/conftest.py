@@ -251,9 +251,9 @@ WORKER_NAMES = ("a", "b")
 
 
 @contextlib.contextmanager
-def multinode_cluster(tmp: Path, node_env: dict[str, dict[str, str]] | None = None) -> Iterator[MultiNode]:
-    """Head (1 CPU) + nodes `a` and `b` (1 CPU each, with custom resources `node_a` / `node_b`); `node_env`: extra
-    environment of a worker node's raylet, by name, which its workers inherit."""
+def multinode_cluster(tmp: Path) -> Iterator[MultiNode]:
+    """Head (1 CPU) + nodes `a` and `b` (1 CPU each, with custom resources `node_a` / `node_b`); a test that needs a
+    node with an environment of its own swaps it in (`MultiNode.swap`)."""
     from ray.cluster_utils import Cluster
 
     from service.ray_local import head_environment
@@ -283,7 +283,7 @@ def multinode_cluster(tmp: Path, node_env: dict[str, dict[str, str]] | None = No
         )
         mn = MultiNode(cluster=cluster, head=head, workers={})
         for name in WORKER_NAMES:
-            mn.add_worker(name, (node_env or {}).get(name))
+            mn.add_worker(name)
         cluster.wait_for_nodes()
         wait_for(lambda: httpx.get(f"{head.dashboard_url}/api/version").status_code == 200, what="dashboard")
         yield mn
