@@ -1,12 +1,12 @@
-"""A stand-in for Ray that "runs" every job instantly: for draining thousands of claims in stress tests and
-benchmarks of the queue, where Ray's ~10 s per job would only hide what the database does.
+"""A stand-in for Ray that "runs" every job instantly: for draining thousands of claims in stress tests and benchmarks
+of the queue, where Ray's ~10 s per job would only hide what the database does.
 
-It implements the Ray adapter's interface for real, across processes: each submission is a file created with
-O_EXCL in a shared directory, so a second submission of one id fails exactly as Ray refuses it, and every
-submission call is appended to `submits.log` so a test can count them. A job runs for `run_seconds` after its
-submission (then SUCCEEDED) unless stopped (then STOPPED). It stands in for Ray only where Ray's behaviour is not
-what is tested (queue scale, and faults injected into the dispatcher's own effects); never in a test of training,
-placement or of how Ray's own failures are handled.
+It implements the Ray adapter's interface for real, across processes: each submission is a file created with O_EXCL
+in a shared directory, so a second submission of one id fails exactly as Ray refuses it, and every submission call
+is appended to `submits.log` (id, pid, created or refused) so a test can count them. A job runs for `run_seconds`
+after its submission (then SUCCEEDED) unless stopped (then STOPPED). It stands in for Ray only where Ray's behaviour
+is not what is tested (queue scale, and faults injected into the dispatcher's own effects); never in a test of
+training, placement or of how Ray's own failures are handled.
 """
 
 from __future__ import annotations
@@ -61,16 +61,20 @@ class NoopJobs:
     def submit(
         self, *, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]
     ) -> bool:
-        with open(self.dir / "submits.log", "a") as log:
-            log.write(f"{submission_id} {os.getpid()}\n")
         try:
             fd = os.open(self.dir / submission_id, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
+            self._log(submission_id, "refused")
             return False  # adopted, as RayJobs.submit does when the id exists
         except OSError as exc:
             raise InfraError(f"noop backend: {exc}") from exc
         os.close(fd)
+        self._log(submission_id, "created")
         return True
+
+    def _log(self, submission_id: str, outcome: str) -> None:
+        with open(self.dir / "submits.log", "a") as log:
+            log.write(f"{submission_id} {os.getpid()} {outcome}\n")
 
     def stop(self, submission_id: str) -> bool:
         info = self.info(submission_id)
