@@ -111,9 +111,10 @@ def dead_worker_nodes(wait_seconds: float = 15.0) -> list[str]:
 def build_trainer(spec, *, job_id: str, attempt: int, storage: str, api: AttemptApi | None):  # noqa: ANN001, ANN201
     """The TorchTrainer for this attempt (imports torch and Ray Train: worker side only)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from workers.entrypoint import train_loop_for
+    from workers.lean_trainer import trainer_class
     from workers.progress import ProgressCallback
     from workers.storage import filesystem_for
 
@@ -145,7 +146,7 @@ def build_trainer(spec, *, job_id: str, attempt: int, storage: str, api: Attempt
         callbacks=callbacks,
     )
     train_loop, loop_config = train_loop_for(spec)
-    return TorchTrainer(
+    return trainer_class()(
         train_loop,
         train_loop_config=loop_config,
         scaling_config=scaling,

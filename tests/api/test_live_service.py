@@ -90,13 +90,22 @@ def test_job_seen_through_every_view(secured: Service, ray_head: LocalHead) -> N
     info = wait_for(lambda: (i := ray.info(f"shunter-{job.id}-1")) is not None and i.is_terminal and i, timeout=60,
                     what="Ray's end of the job")  # fmt: skip
     assert info.status == "SUCCEEDED" and done.ray_submission_id == f"shunter-{job.id}-1"
-    ray_end = httpx.get(f"{ray_head.dashboard_url}/api/jobs/shunter-{job.id}-1", timeout=10).json()["end_time"]
+    ray_job = httpx.get(f"{ray_head.dashboard_url}/api/jobs/shunter-{job.id}-1", timeout=10).json()
+    ray_end = ray_job["end_time"]
     succeeded = next(e.at for e in alice.events(job.id) if e.to_state == "SUCCEEDED")
     assert succeeded.timestamp() < ray_end / 1000, "the job's end waited for Ray's teardown"
     kept = wait_for(lambda: (a := alice.attempts(job.id)[0]).ray_status == "SUCCEEDED" and a, timeout=30,
                     what="the attempt's log kept once Ray's job ended")  # fmt: skip
     assert kept.end_reason == "succeeded"
     assert "done: 30 steps" in (secured.data_dir / "logs" / job.id / "attempt-1.log").read_text()
+    # The attempt's Ray Job started Ray Train's controller, workers and the helpers it uses, and neither helper actor
+    # that an attempt has no use for (workers.lean_trainer): no DatasetManager, no detached PlacementGroupCleaner.
+    from ray.util.state import list_actors
+
+    actors = list_actors(address=ray_head.dashboard_url, filters=[("job_id", "=", ray_job["job_id"])], limit=1000)
+    classes = {a.class_name for a in actors}
+    assert {"TrainController", "RayTrainWorker", "SynchronizationActor", "PreemptionWatcher"} <= classes, classes
+    assert not classes & {"DatasetManager", "PlacementGroupCleaner"}, classes
 
     # Follow-logs ends with the job's last line (from shunter's stored copy of the attempt's log).
     text = "".join(followed)

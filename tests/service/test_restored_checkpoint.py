@@ -168,9 +168,11 @@ def with_env(config: dict[str, Any], *, env: dict[str, str]) -> None:
 
 def fit(storage: Path, run_name: str, config: dict[str, Any], env: dict[str, str]) -> Any:
     from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
-    trainer = TorchTrainer(
+    from workers.lean_trainer import trainer_class
+
+    trainer = trainer_class()(
         functools.partial(with_env, env=env),
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=1, use_gpu=False, resources_per_worker={"CPU": 1}),

@@ -22,7 +22,9 @@ from workers.entrypoint import train_loop_for
 @pytest.mark.slow
 def test_callable_takes_its_strategy_from_the_job_spec(ray_connected: object, tmp_path: Path) -> None:
     from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
+
+    from workers.lean_trainer import trainer_class
 
     spec = JobSpec.model_validate(
         {
@@ -38,7 +40,7 @@ def test_callable_takes_its_strategy_from_the_job_spec(ray_connected: object, tm
     job = Job(name="from-spec", spec=spec.model_dump(mode="json"), state=JobState.RUNNING, attempt=1)
     add_attempt(engine, job)
     with live_api(engine, tmp_path) as api:
-        result = TorchTrainer(
+        result = trainer_class()(
             loop,
             train_loop_config=config,
             scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
@@ -61,9 +63,10 @@ def test_callable_takes_its_strategy_from_the_job_spec(ray_connected: object, tm
 @pytest.mark.slow
 def test_restarted_worker_group_continues_from_last_checkpoint(ray_connected: object, tmp_path: Path) -> None:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from tests.workers.loops import strategy_loop
+    from workers.lean_trainer import trainer_class
 
     config = {
         "strategy": {"kind": "ddp"},
@@ -73,7 +76,7 @@ def test_restarted_worker_group_continues_from_last_checkpoint(ray_connected: ob
         "checkpoint_every": 2,
         "crash_at": 5,
     }
-    TorchTrainer(
+    trainer_class()(
         strategy_loop,
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),

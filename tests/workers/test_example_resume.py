@@ -14,11 +14,12 @@ pytestmark = pytest.mark.slow
 
 def _fit(storage: Path, config: dict[str, object]) -> object:
     from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from examples.mlp import train_loop
+    from workers.lean_trainer import trainer_class
 
-    trainer = TorchTrainer(
+    trainer = trainer_class()(
         train_loop,
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=1, use_gpu=False, resources_per_worker={"CPU": 1}),

@@ -24,8 +24,10 @@ def test_causal_lm_recipe_trains_and_saves_model(
 ) -> None:
     import torch
     from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
     from transformers import AutoModelForCausalLM
+
+    from workers.lean_trainer import trainer_class
 
     data = tmp_path / "data.jsonl"
     data.write_text(
@@ -47,7 +49,7 @@ def test_causal_lm_recipe_trains_and_saves_model(
     )
     loop, config = train_loop_for(spec)
     storage = tmp_path / "storage"
-    result = TorchTrainer(
+    result = trainer_class()(
         loop,
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),

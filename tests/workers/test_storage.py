@@ -214,12 +214,13 @@ def test_half_written_s3_checkpoint_is_refused_by_the_loader(s3: tuple[S3Server,
 
 def _fit(storage: str, name: str, config: dict[str, Any], *, keep: int | None = None) -> Any:
     from ray.train import CheckpointConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from tests.workers.loops import strategy_loop
+    from workers.lean_trainer import trainer_class
 
     storage_path, filesystem = filesystem_for(storage)
-    trainer = TorchTrainer(
+    trainer = trainer_class()(
         strategy_loop,
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),

@@ -32,11 +32,12 @@ STEPS = 6
 
 def fit(tmp_path: Path, name: str, config: dict[str, Any], workers: int = 2) -> Any:
     from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from tests.workers.loops import strategy_loop
+    from workers.lean_trainer import trainer_class
 
-    trainer = TorchTrainer(
+    trainer = trainer_class()(
         strategy_loop,
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 1}),

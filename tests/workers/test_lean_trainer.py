@@ -1,0 +1,50 @@
+"""The attempt's trainer is Ray Train's own, less the two helper actors an attempt never uses (workers.lean_trainer).
+
+Proven here on Ray's real default callback list, so that a Ray upgrade which renames or moves them fails this test
+instead of quietly bringing the actors back; the end-to-end proof that a real job's Ray Job starts neither actor is in
+tests/api/test_live_service.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray.train.torch")
+
+from ray.train import RunConfig, ScalingConfig  # noqa: E402
+from ray.train.torch import TorchTrainer  # noqa: E402
+
+from workers.lean_trainer import lean, trainer_class, unused_callback_types  # noqa: E402
+
+
+def loop() -> None:
+    pass
+
+
+def names(callbacks: list[object]) -> list[str]:
+    return [type(cb).__name__ for cb in callbacks]
+
+
+def build(cls: type, tmp_path: Path, **kwargs: object) -> object:
+    return cls(loop, scaling_config=ScalingConfig(num_workers=2),
+               run_config=RunConfig(storage_path=str(tmp_path), name="lean"), **kwargs)  # fmt: skip
+
+
+def test_the_attempts_trainer_drops_exactly_the_dataset_manager_and_placement_group_cleaner(tmp_path: Path) -> None:
+    assert [t.__name__ for t in unused_callback_types()] == ["DatasetsCallback", "PlacementGroupCleanerCallback"]
+    ray_own = names(build(TorchTrainer, tmp_path)._create_default_callbacks())
+    ours = names(build(trainer_class(), tmp_path)._create_default_callbacks())
+    assert "DatasetsCallback" in ray_own and "PlacementGroupCleanerCallback" in ray_own
+    assert ours == [n for n in ray_own if n not in ("DatasetsCallback", "PlacementGroupCleanerCallback")]
+    assert {"BackendSetupCallback", "AcceleratorSetupCallback"} <= set(ours)
+
+
+def test_a_trainer_given_datasets_keeps_its_dataset_manager(tmp_path: Path) -> None:
+    # A dataset factory (Ray calls it only at fit()), so that no Ray Dataset, nor a Ray instance, is made here.
+    with_data = build(trainer_class(), tmp_path, datasets={"train": lambda: None})
+    kept = names(with_data._create_default_callbacks())
+    assert "DatasetsCallback" in kept and "PlacementGroupCleanerCallback" not in kept
+    ray_own = names(build(TorchTrainer, tmp_path)._create_default_callbacks())
+    leaned = names(lean(build(TorchTrainer, tmp_path)._create_default_callbacks(), has_datasets=True))
+    assert leaned == [n for n in ray_own if n != "PlacementGroupCleanerCallback"]

@@ -1,0 +1,54 @@
+"""Ray Train's `TorchTrainer` less two helper actors that a shunter attempt never uses.
+
+Every `fit()` of Ray Train 2.60 starts, besides its controller and workers, four helper actors, each a Python process
+of its own (about 2 CPU-seconds to start on the 2-core machine, and ~100 MB while it lives). Two of them are of no
+use to an attempt run by shunter:
+
+- `DatasetManager` (`DatasetsCallback`) is started on every worker-group start, with or without Ray Datasets, and
+  imports `ray.data` there. A shunter train loop reads its data itself: a trainer given no `datasets` drops it.
+- `PlacementGroupCleaner` (`PlacementGroupCleanerCallback`) is a *detached* actor that removes the worker group's
+  placement group if the controller dies without doing so. An attempt's driver is a Ray Job: the placement group
+  belongs to that job, and Ray removes a job's placement groups when its driver exits, which it does when the
+  controller dies (`fit()` raises). Being detached, the cleaner also outlives the run by up to 12 s while Ray stops its
+  monitor thread, so every attempt's Ray Job ended that much later than its training.
+
+The two that stay are the `SynchronizationActor` (the workers' barriers and reports) and the `PreemptionWatcher`
+(node drain notices, which `workers.drain` acts on). Ray's own callback list is kept otherwise as it is, in its order,
+and the callbacks shunter adds come after it as before. If a Ray upgrade moves either class, nothing is dropped and
+the trainer is Ray's own (`tests/workers/test_lean_trainer.py` fails so that the upgrade is noticed).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("shunter.driver")
+
+
+def unused_callback_types() -> tuple[type, ...]:
+    """The callback classes a shunter attempt drops (empty when this Ray has moved them)."""
+    try:
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    except ImportError as exc:  # a Ray that moved them: keep every callback
+        log.warning("Ray Train's helper callbacks moved (%s): running with all of them", exc)
+        return ()
+    return (DatasetsCallback, PlacementGroupCleanerCallback)
+
+
+def lean(callbacks: list[Any], *, has_datasets: bool) -> list[Any]:
+    """Ray Train's default callbacks less those whose actors an attempt does not use (datasets kept when given)."""
+    unused = tuple(t for t in unused_callback_types() if not (has_datasets and t.__name__ == "DatasetsCallback"))
+    return [cb for cb in callbacks if not isinstance(cb, unused)]
+
+
+def trainer_class() -> type:
+    """`TorchTrainer` with `lean` applied to its default callbacks (imports Ray Train: worker side only)."""
+    from ray.train.torch import TorchTrainer
+
+    class LeanTorchTrainer(TorchTrainer):
+        def _create_default_callbacks(self) -> list[Any]:
+            return lean(super()._create_default_callbacks(), has_datasets=bool(self.datasets))
+
+    return LeanTorchTrainer
