@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from service.errors import InfraError
+from service.ray_jobs import ray_auth_headers
 from service.storage import STORE_LOCATION_ENV
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,10 @@ def free_port() -> int:
 
 
 def dashboard_answers(url: str, timeout: float = 2.0) -> bool:
+    """Whether the dashboard answers, with the cluster's token where Ray's token auth is on (a `ray start` turns it on
+    by itself when ~/.ray/auth_token exists, which any earlier `ray.init()` on this host may have written)."""
     try:
-        return httpx.get(f"{url}/api/version", timeout=timeout).status_code == 200
+        return httpx.get(f"{url}/api/version", timeout=timeout, headers=ray_auth_headers()).status_code == 200
     except httpx.HTTPError:
         return False
 
