@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -16,6 +17,20 @@ log = logging.getLogger("shunter.warmup")
 
 # op name -> builder class name in `deepspeed.ops.op_builder` (the accelerator picks the CPU or CUDA variant).
 OPS = {"shm_comm": "ShareMemCommBuilder", "cpu_adam": "CPUAdamBuilder"}
+
+
+def interpreter_bin_first() -> None:
+    """Put this interpreter's bin directory first on PATH, for this process and what it starts.
+
+    torch builds a JIT op with the first `ninja` on PATH and rebuilds it when ninja's log holds another hash of the
+    build's command. Ninja 1.12 changed that hash, so a venv's ninja (PyPI's, 1.13) and Debian's (1.11) each find
+    the other's builds stale: processes that found one and then the other rebuilt DeepSpeed's ops every time (five
+    rebuilds of ~35 s in one slow-tier run here). Ray's processes find the venv's first
+    (`service.ray_local.head_environment`); the warm-up and the tests do the same.
+    """
+    bin_dir = os.path.dirname(sys.executable)
+    parts = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != bin_dir]
+    os.environ["PATH"] = os.pathsep.join([bin_dir, *parts])
 
 
 def warm(ops: list[str]) -> dict[str, float]:
@@ -41,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", nargs="*", default=["shm_comm"], choices=sorted(OPS), help="ops to build")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    interpreter_bin_first()
     warm(args.ops)
     return 0
 
