@@ -19,6 +19,11 @@ from tests.service.conftest import Service
 pytestmark = pytest.mark.slow
 
 
+# checkpoint_every for a job that runs until cancelled and whose checkpoints no test reads: one every 10 steps of
+# 0.05 s kept a blocker writing ~2 checkpoints a second, CPU taken from the job under test on 2 cores.
+NEVER = 10**9
+
+
 def mlp_spec(**config: object) -> dict:
     base = {"total_steps": 30, "checkpoint_every": 10, "report_every": 5}
     base.update(config)
@@ -46,7 +51,8 @@ def test_cancel_a_queued_job_never_reaches_ray_and_a_running_one_stops_its_ray_j
 ) -> None:
     with service.client() as c:
         # A 4-worker job holds all 4 logical CPUs of the test head, so the next job must wait in the queue.
-        blocker = c.submit(mlp_spec(total_steps=100_000, step_sleep=0.05) | {"resources": {"num_workers": 4}})
+        endless = mlp_spec(total_steps=100_000, step_sleep=0.05, checkpoint_every=NEVER)
+        blocker = c.submit(endless | {"resources": {"num_workers": 4}})
         wait_for(lambda: c.get(blocker.id).state in ("STARTING", "RUNNING"), timeout=60, what="blocker admitted")
         queued = c.submit(mlp_spec())
         assert c.get(queued.id).state == "QUEUED"

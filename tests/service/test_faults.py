@@ -12,7 +12,7 @@ from service.ray_jobs import RayJobs
 from service.ray_local import LocalHead
 from tests.conftest import wait_for
 from tests.service.conftest import Service
-from tests.service.test_e2e_serve import mlp_spec
+from tests.service.test_e2e_serve import NEVER, mlp_spec
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def test_user_error_fails_at_once_without_retry(service: Service) -> None:
 
 
 def test_timeout_ends_job_and_is_not_retried(service: Service, ray_head: LocalHead) -> None:
-    spec = mlp_spec(total_steps=100_000, step_sleep=0.05) | {"timeout_seconds": 12}
+    spec = mlp_spec(total_steps=100_000, step_sleep=0.05, checkpoint_every=NEVER) | {"timeout_seconds": 12}
     spec["retries"] = {"max_attempts": 3, "backoff_seconds": 1}
     with service.client() as c:
         started = time.monotonic()

@@ -13,7 +13,7 @@ import pytest
 from service.ray_local import LocalHead, free_port
 from tests.conftest import wait_for
 from tests.service.conftest import Service, service_env, train_worker_nodes
-from tests.service.test_e2e_serve import mlp_spec
+from tests.service.test_e2e_serve import NEVER, mlp_spec
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ def test_an_elastic_job_grows_to_its_max_when_room_frees_up(ray_head: LocalHead,
     try:
         with svc.client() as c:
             # 2 of the head's 4 CPUs held by a job that runs until cancelled
-            blocker = c.submit(mlp_spec(total_steps=100_000, step_sleep=0.05))
+            blocker = c.submit(mlp_spec(total_steps=100_000, step_sleep=0.05, checkpoint_every=NEVER))
             wait_for(lambda: c.get(blocker.id).state == "RUNNING", timeout=120, what="blocker running")
             spec = {"name": "grows", "entrypoint": {"callable": "examples.gpt2_tiny:train_loop"},
                     "config": {"steps": 40, "checkpoint_every": 1000, "step_sleep": 0.1},

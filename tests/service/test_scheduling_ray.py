@@ -11,7 +11,7 @@ import pytest
 from service.ray_local import free_port
 from tests.conftest import wait_for
 from tests.service.conftest import MultiNode, Service, service_env, stop_leftover_ray_jobs, train_worker_nodes
-from tests.service.test_e2e_serve import mlp_spec
+from tests.service.test_e2e_serve import NEVER, mlp_spec
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def test_two_jobs_that_cannot_both_fit_run_one_after_the_other(svc: Service) -> 
 @pytest.mark.parametrize(("placement", "distinct_nodes"), [("pack", 1), ("spread", 2)])
 def test_pack_and_spread_placement(svc: Service, multinode: MultiNode, placement: str,
                                    distinct_nodes: int) -> None:  # fmt: skip
-    spec = mlp_spec(total_steps=100_000, step_sleep=0.05)
+    spec = mlp_spec(total_steps=100_000, step_sleep=0.05, checkpoint_every=NEVER)
     spec["resources"] = {"num_workers": 2, "resources_per_worker": {"CPU": 0.5}, "placement": placement}
     with svc.client() as c:
         job = c.submit(spec)

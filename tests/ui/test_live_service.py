@@ -15,6 +15,7 @@ import pytest
 
 from service.ray_local import LocalHead, free_port
 from tests.service.conftest import Service, service_env, stop_leftover_ray_jobs
+from tests.service.test_e2e_serve import NEVER
 from tests.ui.browser import STATE_RECORDER, watch
 from tests.ui.test_pages import TOKENS, expect_state, login, rows
 
@@ -61,7 +62,7 @@ def test_a_real_job_on_the_page(token_service: Service, context: Any, browser: A
     load = w.page.evaluate("window.__pageLoad")
 
     # A job that holds all 4 CPUs of the session's Ray head, so the next one must wait in the queue.
-    blocker = submit(svc, mlp("blocker", 4, total_steps=100_000, step_sleep=0.05))
+    blocker = submit(svc, mlp("blocker", 4, total_steps=100_000, step_sleep=0.05, checkpoint_every=NEVER))
     w.page.wait_for_selector(f'tr[data-job-id="{blocker}"] .state[data-state="RUNNING"]', timeout=180_000)
     job = submit(svc, mlp("mlp-page", 2, step_sleep=0.1))
     expect_state(w, job, "QUEUED")
