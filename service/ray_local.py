@@ -76,11 +76,17 @@ HEAD_ENV_NAMES = frozenset(STORE_LOCATION_ENV) | frozenset(
 HEAD_ENV_PREFIXES = ("LC_", "RAY_", "OMP_", "MKL_", "CUDA_", "NCCL_", "GLOO_")
 
 
+def interpreter_bin_first(path: str) -> str:
+    """`path` with this interpreter's bin directory first (once), so its processes find the venv's tools (`ray`, and
+    the `ninja` that builds DeepSpeed's ops: see `workers.warmup.use_interpreter_bin_first`) before the system's."""
+    bin_dir = str(Path(sys.executable).parent)
+    return os.pathsep.join([bin_dir, *(p for p in path.split(os.pathsep) if p and p != bin_dir)])
+
+
 def head_environment(extra_pythonpath: str | None = None) -> dict[str, str]:
     """The environment Ray's processes (and so each job's driver) inherit: the allow-listed part of this one."""
     env = {k: v for k, v in os.environ.items() if k in HEAD_ENV_NAMES or k.startswith(HEAD_ENV_PREFIXES)}
-    bin_dir = str(Path(sys.executable).parent)
-    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    env["PATH"] = interpreter_bin_first(env.get("PATH", ""))
     # Ray Train aborts gracefully on SIGINT; the default SIGTERM is ignored by the driver and escalated to a kill.
     env["RAY_JOB_STOP_SIGNAL"] = "SIGINT"
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from service.ray_local import LocalHead, ensure_local_head, stop_local_head
-from workers.warmup import interpreter_bin_first
+from workers.warmup import use_interpreter_bin_first
 
 # Tests never join a stranger's cluster, and never start one per test (Ray costs ~5 s to start here).
 os.environ.pop("RAY_ADDRESS", None)
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-interpreter_bin_first()  # every process a test starts builds DeepSpeed's ops with the ninja Ray's processes use
+use_interpreter_bin_first()  # every process a test starts builds DeepSpeed's ops with the ninja Ray's processes use
 
 RAY_TEST_CPUS = 4  # logical CPUs: 2-worker jobs use 2; the slack lets a test overlap a finishing job
 

@@ -26,20 +26,21 @@ from typing import Any
 log = logging.getLogger("shunter.driver")
 
 
-def unused_callback_types() -> tuple[type, ...]:
-    """The callback classes a shunter attempt drops (empty when this Ray has moved them)."""
+def unused_callback_types(*, has_datasets: bool = False) -> tuple[type, ...]:
+    """The callback classes a shunter attempt drops: the datasets one only when given no datasets (none at all when
+    this Ray has moved them)."""
     try:
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
         from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
     except ImportError as exc:  # a Ray that moved them: keep every callback
         log.warning("Ray Train's helper callbacks moved (%s): running with all of them", exc)
         return ()
-    return (DatasetsCallback, PlacementGroupCleanerCallback)
+    return (PlacementGroupCleanerCallback,) if has_datasets else (DatasetsCallback, PlacementGroupCleanerCallback)
 
 
 def lean(callbacks: list[Any], *, has_datasets: bool) -> list[Any]:
     """Ray Train's default callbacks less those whose actors an attempt does not use (datasets kept when given)."""
-    unused = tuple(t for t in unused_callback_types() if not (has_datasets and t.__name__ == "DatasetsCallback"))
+    unused = unused_callback_types(has_datasets=has_datasets)
     return [cb for cb in callbacks if not isinstance(cb, unused)]
 
 

@@ -19,7 +19,7 @@ log = logging.getLogger("shunter.warmup")
 OPS = {"shm_comm": "ShareMemCommBuilder", "cpu_adam": "CPUAdamBuilder"}
 
 
-def interpreter_bin_first() -> None:
+def use_interpreter_bin_first() -> None:
     """Put this interpreter's bin directory first on PATH, for this process and what it starts.
 
     torch builds a JIT op with the first `ninja` on PATH and rebuilds it when ninja's log holds another hash of the
@@ -28,9 +28,9 @@ def interpreter_bin_first() -> None:
     rebuilds of ~35 s in one slow-tier run here). Ray's processes find the venv's first
     (`service.ray_local.head_environment`); the warm-up and the tests do the same.
     """
-    bin_dir = os.path.dirname(sys.executable)
-    parts = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != bin_dir]
-    os.environ["PATH"] = os.pathsep.join([bin_dir, *parts])
+    from service.ray_local import interpreter_bin_first
+
+    os.environ["PATH"] = interpreter_bin_first(os.environ.get("PATH", ""))
 
 
 def warm(ops: list[str]) -> dict[str, float]:
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", nargs="*", default=["shm_comm"], choices=sorted(OPS), help="ops to build")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    interpreter_bin_first()
+    use_interpreter_bin_first()
     warm(args.ops)
     return 0
 
