@@ -85,7 +85,10 @@ def _named_node_is_dead(text: str) -> bool:
 
 def dead_worker_nodes(wait_seconds: float = 15.0) -> list[str]:
     """Nodes of this run's train workers that Ray shows dead, waiting a little for it to notice (a node's loss reaches
-    the GCS after the surviving ranks' collectives have already failed)."""
+    the GCS after the surviving ranks' collectives have already failed: Ray marks a node dead only once its health
+    checks have failed for seconds). It waits only while a node's raylet does not answer: when every node's raylet
+    still takes a connection, a worker was lost and not its node, and that is known at once (it used to wait out
+    `wait_seconds` on every lost worker, holding the attempt's end and so its retry)."""
     import time
 
     import ray
@@ -100,12 +103,26 @@ def dead_worker_nodes(wait_seconds: float = 15.0) -> list[str]:
     deadline = time.monotonic() + wait_seconds
     while True:
         try:
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            alive = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
         except Exception:  # noqa: BLE001 - as above
             return []
-        if nodes - alive or time.monotonic() >= deadline:
-            return sorted(nodes - alive)
-        time.sleep(1.0)
+        if nodes - alive.keys() or time.monotonic() >= deadline:
+            return sorted(nodes - alive.keys())
+        if all(raylet_answers(alive[node]) for node in nodes):
+            return []
+        time.sleep(0.5)
+
+
+def raylet_answers(node: dict, timeout: float = 1.0) -> bool:
+    """Whether the raylet of `node` (an entry of `ray.nodes()`) takes a TCP connection: a node whose raylet was killed
+    refuses at once, one cut off from the network times out; neither is taken for alive."""
+    import socket
+
+    try:
+        with socket.create_connection((node["NodeManagerAddress"], int(node["NodeManagerPort"])), timeout=timeout):
+            return True
+    except (OSError, KeyError, TypeError, ValueError):
+        return False
 
 
 def build_trainer(spec, *, job_id: str, attempt: int, storage: str, api: AttemptApi | None):  # noqa: ANN001, ANN201

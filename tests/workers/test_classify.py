@@ -58,3 +58,19 @@ def group(*errors: Exception) -> WorkerGroupError:
 )  # fmt: skip
 def test_classify(exc: BaseException, reason: EndReason) -> None:
     assert classify_failure(exc) is reason
+
+
+def test_a_raylet_that_takes_a_connection_is_alive_and_one_that_refuses_is_not() -> None:
+    """`dead_worker_nodes` stops waiting for Ray's verdict as soon as every node's raylet answers (a lost worker,
+    not a lost node); a raylet killed with its node refuses, and a node entry without an address is not alive."""
+    import socket
+
+    from workers.driver import raylet_answers
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert raylet_answers({"NodeManagerAddress": "127.0.0.1", "NodeManagerPort": port})
+    assert not raylet_answers({"NodeManagerAddress": "127.0.0.1", "NodeManagerPort": port})  # closed: refused
+    assert not raylet_answers({"NodeID": "n1"})
