@@ -281,9 +281,15 @@ class Chaos:
         done_kills = 0
         deadline = started + timeout
         while done_kills < self.n_kills and time.monotonic() < deadline:
-            time.sleep(self.rng.uniform(*self.gap))
-            if done_kills >= head_at and self.head_restart and not self.head_restarts and self.checkpointed_running():
-                self.restart_head()  # mid-training: some running job has a checkpoint to resume from
+            gap_ends = time.monotonic() + self.rng.uniform(*self.gap)
+            if done_kills >= head_at and self.head_restart and not self.head_restarts:
+                # Due: watch the whole gap, not only its end, for a moment mid-training (some running job has a
+                # checkpoint of its attempt to resume from); a job's window is a few seconds at the CI size.
+                while time.monotonic() < gap_ends and not self.checkpointed_running():
+                    time.sleep(0.2)
+                if time.monotonic() < gap_ends:
+                    self.restart_head()
+            time.sleep(max(gap_ends - time.monotonic(), 0.0))
             victim = self.rng.choice(self.processes)
             victim.kill9()
             self.kills[victim.name.rstrip("0123456789")] += 1
