@@ -8,9 +8,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,6 +190,50 @@ def stop_leftover_ray_jobs(head: LocalHead) -> None:
                 wait_for(lambda s=sub_id: ray.info(s).is_terminal, timeout=60, what=f"{sub_id} to stop")
     finally:
         ray.close()
+
+
+class Scenarios:
+    """A module's independent end-to-end scenarios, run at the same time on the module's `shunter serve` (issue 34:
+    their jobs' steps and epochs are mostly waits, and one attempt's start-up is a chain of single-threaded process
+    starts, so two side by side take little more wall time than one). Each scenario is a function of the service and
+    an `Event` it sets once its job is submitted; each keeps its own assertions. They start in the order they were
+    added, each once the one before has submitted (so the queue's order is theirs), and a test reports its own:
+    `outcomes.check(name)` re-raises what that scenario raised, with its traceback."""
+
+    def __init__(self) -> None:
+        self.funcs: dict[str, Callable[[Service, threading.Event], None]] = {}
+        self.errors: dict[str, BaseException | None] = {}
+
+    def add(self, fn: Callable[[Service, threading.Event], None]) -> Callable[[Service, threading.Event], None]:
+        self.funcs[fn.__name__] = fn
+        return fn
+
+    def run(self, svc: Service, *, submit_patience: float = 120.0) -> Scenarios:
+        threads = []
+        for name, fn in self.funcs.items():
+            submitted = threading.Event()
+
+            def body(name: str = name, fn: Callable = fn, submitted: threading.Event = submitted) -> None:
+                try:
+                    fn(svc, submitted)
+                    self.errors[name] = None
+                except BaseException as exc:  # noqa: BLE001 - kept for the test that reports this scenario
+                    self.errors[name] = exc
+                finally:
+                    submitted.set()
+
+            thread = threading.Thread(target=body, name=f"scenario-{name}", daemon=True)
+            thread.start()
+            threads.append(thread)
+            submitted.wait(submit_patience)
+        for thread in threads:
+            thread.join()
+        return self
+
+    def check(self, name: str) -> None:
+        assert name in self.errors, f"scenario {name} did not run"
+        if self.errors[name] is not None:
+            raise self.errors[name]
 
 
 @dataclass

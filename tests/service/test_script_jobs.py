@@ -12,14 +12,16 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from api.client import Client
+from service.ray_local import LocalHead
 from tests.conftest import wait_for
-from tests.service.conftest import Service
+from tests.service.conftest import Scenarios, Service, cancel_unended, stop_leftover_ray_jobs
 from workers import manifest
 
 pytestmark = pytest.mark.slow
@@ -99,12 +101,40 @@ def test_each_script_runs_under_plain_torchrun(tmp_path: Path, script: str, args
     assert any(p.startswith(("out/checkpoint-", "snapshots/snapshot.pt")) for p in written), written
 
 
-def test_hf_trainer_script_progress_outputs_and_resume_after_a_lost_worker(service: Service) -> None:
+SCENARIOS = Scenarios()  # the three jobs with a kill run side by side (issue 34); each test reports its own
+
+
+@pytest.fixture(scope="module")
+def outcomes(module_service: Service, ray_head: LocalHead) -> Scenarios:
+    """Every scenario below, run at once (the snapshot job, the longest, first; the third waits in the queue for
+    room on the head's 4 CPUs), and the module's service left with nothing running."""
+    if module_service.proc is None or module_service.proc.poll() is not None:
+        module_service.start()
+    SCENARIOS.run(module_service)
+    cancel_unended(module_service)
+    stop_leftover_ray_jobs(ray_head)
+    return SCENARIOS
+
+
+def test_hf_trainer_script_progress_outputs_and_resume_after_a_lost_worker(outcomes: Scenarios) -> None:
+    outcomes.check("hf_trainer_resumes_after_a_lost_worker")
+
+
+def test_accelerate_script_reports_through_the_helper_and_resumes(outcomes: Scenarios) -> None:
+    outcomes.check("accelerate_resumes_after_a_lost_worker")
+
+
+def test_torchrun_snapshot_script_resumes_in_a_new_attempt(outcomes: Scenarios) -> None:
+    outcomes.check("snapshot_resumes_in_a_new_attempt")
+
+
+def hf_trainer_resumes_after_a_lost_worker(service: Service, submitted: threading.Event) -> None:
     spec = {"name": "hf", "entrypoint": {"script": "examples/scripts/hf_trainer.py", "args": HF_ARGS,
                                          "outputs": ["out"], "resume_arg": "--resume_from_checkpoint"},
             "resources": {"num_workers": 2}, "retries": {"max_worker_failures": 1}}  # fmt: skip
     with service.client() as c:
         job_id = c.submit(spec).id
+        submitted.set()
         watch_running(c, job_id)
         assert {"loss", "learning_rate"} <= set(c.get(job_id).latest_metrics or {})
         wait_listed(c, job_id)  # checkpoint-4, sealed on HF's on_save
@@ -131,12 +161,13 @@ def test_hf_trainer_script_progress_outputs_and_resume_after_a_lost_worker(servi
         assert job.latest_checkpoint == max(listed, key=lambda k: k.step or 0).uri
 
 
-def test_accelerate_script_reports_through_the_helper_and_resumes(service: Service) -> None:
+def accelerate_resumes_after_a_lost_worker(service: Service, submitted: threading.Event) -> None:
     spec = {"name": "acc", "entrypoint": {"script": "examples/scripts/accelerate_loop.py", "args": ACCELERATE_ARGS,
                                           "outputs": ["out"], "resume_arg": "--resume_from_checkpoint"},
             "resources": {"num_workers": 2}, "retries": {"max_worker_failures": 1}}  # fmt: skip
     with service.client() as c:
         job_id = c.submit(spec).id
+        submitted.set()
         watch_running(c, job_id)
         wait_listed(c, job_id)  # checkpoint-4, sealed once checkpoint-8 appears
         kill_rank(job_id, 0)
@@ -151,13 +182,14 @@ def test_accelerate_script_reports_through_the_helper_and_resumes(service: Servi
         assert c.metrics(job_id, name="loss")[-1].step == 16
 
 
-def test_torchrun_snapshot_script_resumes_in_a_new_attempt(service: Service) -> None:
+def snapshot_resumes_in_a_new_attempt(service: Service, submitted: threading.Event) -> None:
     spec = {"name": "snap", "entrypoint": {"script": "examples/scripts/torchrun_snapshot.py", "args": SNAPSHOT_ARGS,
                                            "outputs": ["snapshots"]},
             "resources": {"num_workers": 2}, "retries": {"max_attempts": 2, "backoff_seconds": 0}}  # fmt: skip
     snapshot = None
     with service.client() as c:
         job_id = c.submit(spec).id
+        submitted.set()
         watch_running(c, job_id)
         snapshot = stored(service, job_id) / "snapshots" / "snapshot.pt"
         running_at = time.monotonic()
@@ -175,6 +207,14 @@ def test_torchrun_snapshot_script_resumes_in_a_new_attempt(service: Service) -> 
         assert found and int(found.group(1)) >= 2, logs[-3000:]
         assert c.metrics(job_id, name="loss")[-1].step == SNAPSHOT_EPOCHS
     assert snapshot is not None and snapshot.is_file()
+
+
+for scenario in (
+    snapshot_resumes_in_a_new_attempt,
+    hf_trainer_resumes_after_a_lost_worker,
+    accelerate_resumes_after_a_lost_worker,
+):
+    SCENARIOS.add(scenario)
 
 
 def test_a_script_without_outputs_runs_where_it_always_did(service: Service, tmp_path: Path) -> None:
