@@ -32,8 +32,7 @@ def test_chaos_every_job_succeeds_nothing_runs_twice(tmp_path: Path, pg_url: str
     # counted in attempts: two jobs on the head's 1 CPU (the second waits for room), the head restarted while the
     # first trains past a checkpoint, its resumed attempt, then the second: three attempts, while 8 kills 0.5-2.5 s
     # apart hit the APIs and dispatchers. `python -m bench.chaos` is the long run (50 jobs, 100 kills).
-    chaos = Chaos(tmp_path, pg_url, seed=13, jobs=2, kills=8, steps=30, checkpoint_every=5, gap=(0.5, 2.5),
-                  head_cpus=1)
+    chaos = Chaos(tmp_path, pg_url, seed=13, jobs=2, kills=8, steps=30, checkpoint_every=5, gap=(0.5, 2.5), head_cpus=1)
     chaos.start()
     try:
         report = chaos.run(timeout=900)

@@ -1,17 +1,30 @@
-"""Each way of bringing training code, named in the spec and run through the real service: nothing else to change."""
+"""Each way of bringing training code, named in the spec and run through the real service: nothing else to change.
+The jobs run side by side (`Scenarios`), each test reporting its own scenario."""
 
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.service.conftest import Service
+from service.ray_local import LocalHead
+from tests.service.conftest import Scenarios, Service, cancel_unended, stop_leftover_ray_jobs
 
 pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+SCENARIOS = Scenarios()  # the module's jobs run side by side, two at a time (issue 34); each test reports its own
+
+
+def scratch(service: Service, name: str) -> Path:
+    """A scenario's own folder (they run at once, so none has a test's `tmp_path`)."""
+    path = service.data_dir / "scratch" / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def example(name: str, **config: object) -> dict:
@@ -20,7 +33,8 @@ def example(name: str, **config: object) -> dict:
     return spec
 
 
-def test_full_deepspeed_config_job_runs_and_does_not_hold_up_the_next(service: Service) -> None:
+@SCENARIOS.add
+def full_deepspeed_config_job_runs_and_does_not_hold_up_the_next(service: Service, submitted: threading.Event) -> None:
     """Issue 11's curl, as sent: a full DeepSpeed config (ZeRO-3). It used to stop admission for every job. The next
     job is the ZeRO-3 example (`examples/gpt2-zero3.yaml`: the `zero_stage` shorthand), which trains, checkpoints and
     seals its checkpoints beside it."""
@@ -30,6 +44,7 @@ def test_full_deepspeed_config_job_runs_and_does_not_hold_up_the_next(service: S
     with service.client() as c:
         ds = c.submit(curl)
         after = c.submit(example("gpt2-zero3.yaml", steps=12, checkpoint_every=6))
+        submitted.set()
         ds_job = c.wait(ds.id, timeout=300)
         assert ds_job.state == "SUCCEEDED", ds_job.last_error
         assert "[shunter] deepspeed: ZeRO stage 3" in c.logs(ds.id)
@@ -47,21 +62,28 @@ def test_full_deepspeed_config_job_runs_and_does_not_hold_up_the_next(service: S
         assert Path(job.latest_checkpoint, "shunter-manifest.json").is_file()
 
 
-def test_fsdp_job_via_rest(service: Service) -> None:
+@SCENARIOS.add
+def fsdp_job_via_rest(service: Service, submitted: threading.Event) -> None:
     with service.client() as c:
-        job = c.wait(c.submit(example("gpt2-fsdp.yaml", steps=8, checkpoint_every=4)).id, timeout=300)
+        job_id = c.submit(example("gpt2-fsdp.yaml", steps=8, checkpoint_every=4)).id
+        submitted.set()
+        job = c.wait(job_id, timeout=300)
         assert job.state == "SUCCEEDED", job.last_error
         losses = [m.value for m in c.metrics(job.id, name="loss")]
         assert losses[-1] < losses[0]
         assert Path(job.latest_checkpoint, "shunter-manifest.json").is_file()
 
 
-def test_unchanged_torchrun_script_via_rest(service: Service, tmp_path: Path) -> None:
+@SCENARIOS.add
+def unchanged_torchrun_script_via_rest(service: Service, submitted: threading.Event) -> None:
     """Every rank's script process gets torchrun's environment: its rank, the world, one rendezvous, the run id."""
     spec = example("torchrun-ddp.yaml")
+    tmp_path = scratch(service, "torchrun")
     spec["entrypoint"]["args"] += ["--env-out", str(tmp_path)]
     with service.client() as c:
-        job = c.wait(c.submit(spec).id, timeout=300)
+        job_id = c.submit(spec).id
+        submitted.set()
+        job = c.wait(job_id, timeout=300)
         assert job.state == "SUCCEEDED", job.last_error
         logs = c.logs(job.id)
         assert "[shunter] rank 0/2" in logs and "[shunter] rank 1/2" in logs
@@ -74,31 +96,39 @@ def test_unchanged_torchrun_script_via_rest(service: Service, tmp_path: Path) ->
     assert {e["TORCHELASTIC_RUN_ID"] for e in envs} == {job.id}
 
 
-def test_unchanged_deepspeed_script_via_rest(service: Service) -> None:
+@SCENARIOS.add
+def unchanged_deepspeed_script_via_rest(service: Service, submitted: threading.Event) -> None:
     with service.client() as c:
-        job = c.wait(c.submit(example("deepspeed-script.yaml")).id, timeout=300)
+        job_id = c.submit(example("deepspeed-script.yaml")).id
+        submitted.set()
+        job = c.wait(job_id, timeout=300)
         assert job.state == "SUCCEEDED", job.last_error
         assert "deepspeed epoch 1 complete, zero stage 2" in c.logs(job.id)
 
 
-def test_failing_script_fails_the_job(service: Service, tmp_path: Path) -> None:
+@SCENARIOS.add
+def failing_script_fails_the_job(service: Service, submitted: threading.Event) -> None:
     """One rank's non-zero exit fails the job, although the other rank's script ended well."""
-    script = tmp_path / "fails.py"
+    script = scratch(service, "fails") / "fails.py"
     script.write_text("import os, sys\nprint('rank', os.environ['RANK'], flush=True)\n"
                       "sys.exit(3 if os.environ['RANK'] == '1' else 0)\n")  # fmt: skip
     with service.client() as c:
-        job = c.wait(c.submit({"name": "fails", "entrypoint": {"script": str(script)},
-                               "resources": {"num_workers": 2}}).id, timeout=240)  # fmt: skip
+        job_id = c.submit({"name": "fails", "entrypoint": {"script": str(script)}, "resources": {"num_workers": 2}}).id
+        submitted.set()
+        job = c.wait(job_id, timeout=240)
         assert job.state == "FAILED" and job.end_reason == "user_error"
         assert "exited with code 3 on rank 1" in (job.last_error or ""), job.last_error
 
 
-def test_causal_lm_recipe_via_rest_saves_a_loadable_model(service: Service) -> None:
+@SCENARIOS.add
+def causal_lm_recipe_via_rest_saves_a_loadable_model(service: Service, submitted: threading.Event) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
     with service.client() as c:
-        job = c.wait(c.submit(example("causal-lm.yaml", max_steps=6, checkpoint_every=3)).id, timeout=300)
+        job_id = c.submit(example("causal-lm.yaml", max_steps=6, checkpoint_every=3)).id
+        submitted.set()
+        job = c.wait(job_id, timeout=300)
         assert job.state == "SUCCEEDED", job.last_error
         assert (job.latest_metrics or {}).get("tokens_per_s", 0) > 0
         model_dir = service.data_dir / "checkpoints" / job.id / "model"
@@ -110,3 +140,39 @@ def test_causal_lm_recipe_via_rest_saves_a_loadable_model(service: Service) -> N
         ids = torch.tensor([list(text.encode())])
         loss = model(input_ids=ids, labels=ids).loss.item()
         assert loss < 5.0, loss
+
+
+@pytest.fixture(scope="module")
+def outcomes(module_service: Service, ray_head: LocalHead) -> Scenarios:
+    """Every scenario above, run at once in their order (the queue holds each until two jobs' room is free on the
+    head's 4 CPUs), and the module's service left with nothing running."""
+    if module_service.proc is None or module_service.proc.poll() is not None:
+        module_service.start()
+    SCENARIOS.run(module_service)
+    cancel_unended(module_service)
+    stop_leftover_ray_jobs(ray_head)
+    return SCENARIOS
+
+
+def test_full_deepspeed_config_job_runs_and_does_not_hold_up_the_next(outcomes: Scenarios) -> None:
+    outcomes.check("full_deepspeed_config_job_runs_and_does_not_hold_up_the_next")
+
+
+def test_fsdp_job_via_rest(outcomes: Scenarios) -> None:
+    outcomes.check("fsdp_job_via_rest")
+
+
+def test_unchanged_torchrun_script_via_rest(outcomes: Scenarios) -> None:
+    outcomes.check("unchanged_torchrun_script_via_rest")
+
+
+def test_unchanged_deepspeed_script_via_rest(outcomes: Scenarios) -> None:
+    outcomes.check("unchanged_deepspeed_script_via_rest")
+
+
+def test_failing_script_fails_the_job(outcomes: Scenarios) -> None:
+    outcomes.check("failing_script_fails_the_job")
+
+
+def test_causal_lm_recipe_via_rest_saves_a_loadable_model(outcomes: Scenarios) -> None:
+    outcomes.check("causal_lm_recipe_via_rest_saves_a_loadable_model")
