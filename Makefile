@@ -18,7 +18,10 @@ demo: install
 	bash deploy/demo.sh
 
 # Two runs: the fast tier (pure, CPU-bound) on both cores with pytest-xdist, then the slow tier (real Ray, real
-# processes, timing-bound) alone, so its kills and timeouts never compete with another test. Both always run.
+# processes) on two lanes: each lane runs whole groups (a module, or every multi-node test: tests/conftest.py), with
+# its own session Ray head. One lane alone left a core idle a quarter of the time (an attempt's start is a chain of
+# single-threaded process starts); the slow tier's waits are bounded by events and generous timeouts, not by the
+# machine being otherwise idle. Both runs always run.
 # SHUNTER_TEST_DEADLINE (epoch seconds; .ci/run sets it below CI's own limit): a tier still running then gets
 # SIGINT, so pytest stops with its summary, the test it was in and its slowest tests printed, instead of being cut
 # off by CI with nothing kept. Unset: no limit.
@@ -27,7 +30,7 @@ test: install
 	$(PY) -m workers.warmup
 	rc=0; \
 	timeout -s INT -k 60 $(LEFT) $(PY) -m pytest -m "not slow" -n 2 $(PYTEST_ARGS) || rc=$$?; \
-	timeout -s INT -k 60 $(LEFT) $(PY) -m pytest -m slow $(PYTEST_ARGS) || rc=$$?; \
+	timeout -s INT -k 60 $(LEFT) $(PY) -m pytest -m slow -n 2 --dist loadscope $(PYTEST_ARGS) || rc=$$?; \
 	exit $$rc
 
 # What the GPU tier (tests/gpu/run.sh) carries to a device machine, whose image lacks them: DeepSpeed built here as a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -49,10 +50,49 @@ def session_multinode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[obje
 MULTINODE_FIXTURES = {"session_multinode", "multinode", "three_nodes"}
 
 
+def uses_multinode(item: pytest.Item) -> bool:
+    return bool(MULTINODE_FIXTURES & set(getattr(item, "fixturenames", ())))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Multi-node tests after all others (in their order), so the session's 3-node cluster starts once, late, and
     stays up only while they run."""
-    items.sort(key=lambda item: bool(MULTINODE_FIXTURES & set(getattr(item, "fixturenames", ()))))  # stable
+    items.sort(key=uses_multinode)  # stable
+
+
+MULTINODE_PARAMETER = re.compile(r"\b(?:" + "|".join(sorted(MULTINODE_FIXTURES)) + r")\s*:")
+
+
+def lane_group(nodeid: str, root: Path = Path(__file__).resolve().parents[1]) -> str:
+    """What one lane of the slow tier runs whole: a test's module (its `shunter serve` and its scenarios start once),
+    or one group of every module with a multi-node test (a test parameter named after one of MULTINODE_FIXTURES), so
+    the 3-node cluster starts once, in one lane."""
+    module = nodeid.split("::", 1)[0]
+    if module not in _LANES:
+        try:
+            text = (root / module).read_text()
+        except OSError:
+            text = ""
+        _LANES[module] = "multinode" if MULTINODE_PARAMETER.search(text) else module
+    return _LANES[module]
+
+
+_LANES: dict[str, str] = {}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """The slow tier's two lanes (`pytest -m slow -n 2 --dist loadscope`, see the Makefile): xdist's scope scheduling
+    with `lane_group` for a scope (groups with the most tests first). pytest-xdist's own `loadgroup` does not group
+    under this pytest (9.2): its `@group` suffix on node ids is not seen."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane_group(nodeid)
+
+    return Lanes(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -112,7 +112,9 @@ def test_a_hostile_tenant_is_refused_everything_and_disturbs_nobody(shared: Serv
     try:
         assert [r.status_code for r in opened].count(429) == 1
         started = time.monotonic()
-        assert alice.get("/v1/jobs").status_code == 200 and time.monotonic() - started < 2.0
+        # Served, not starved: a request starved of a database connection would wait out the pool's 30 s checkout
+        # timeout (the bound is what tells the two apart, with room for a loaded machine).
+        assert alice.get("/v1/jobs").status_code == 200 and time.monotonic() - started < 10.0
     finally:
         for s in streams:
             s.__exit__(None, None, None)
