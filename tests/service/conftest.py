@@ -230,6 +230,16 @@ class Scenarios:
             thread.join()
         return self
 
+    def run_on_module_service(self, svc: Service, head: LocalHead) -> Scenarios:
+        """`run` on a module's service (started again if a test before killed it), then leave nothing running on it,
+        as the `service` fixture does after each test."""
+        if svc.proc is None or svc.proc.poll() is not None:
+            svc.start()
+        self.run(svc)
+        cancel_unended(svc)
+        stop_leftover_ray_jobs(head)
+        return self
+
     def check(self, name: str) -> None:
         assert name in self.errors, f"scenario {name} did not run"
         if self.errors[name] is not None:

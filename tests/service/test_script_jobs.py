@@ -21,7 +21,7 @@ import pytest
 from api.client import Client
 from service.ray_local import LocalHead
 from tests.conftest import wait_for
-from tests.service.conftest import Scenarios, Service, cancel_unended, stop_leftover_ray_jobs
+from tests.service.conftest import Scenarios, Service
 from workers import manifest
 
 pytestmark = pytest.mark.slow
@@ -108,12 +108,7 @@ SCENARIOS = Scenarios()  # the three jobs with a kill run side by side (issue 34
 def outcomes(module_service: Service, ray_head: LocalHead) -> Scenarios:
     """Every scenario below, run at once (the snapshot job, the longest, first; the third waits in the queue for
     room on the head's 4 CPUs), and the module's service left with nothing running."""
-    if module_service.proc is None or module_service.proc.poll() is not None:
-        module_service.start()
-    SCENARIOS.run(module_service)
-    cancel_unended(module_service)
-    stop_leftover_ray_jobs(ray_head)
-    return SCENARIOS
+    return SCENARIOS.run_on_module_service(module_service, ray_head)
 
 
 def test_hf_trainer_script_progress_outputs_and_resume_after_a_lost_worker(outcomes: Scenarios) -> None:

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from service.ray_local import LocalHead
-from tests.service.conftest import Scenarios, Service, cancel_unended, stop_leftover_ray_jobs
+from tests.service.conftest import Scenarios, Service
 
 pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -146,12 +146,7 @@ def causal_lm_recipe_via_rest_saves_a_loadable_model(service: Service, submitted
 def outcomes(module_service: Service, ray_head: LocalHead) -> Scenarios:
     """Every scenario above, run at once in their order (the queue holds each until two jobs' room is free on the
     head's 4 CPUs), and the module's service left with nothing running."""
-    if module_service.proc is None or module_service.proc.poll() is not None:
-        module_service.start()
-    SCENARIOS.run(module_service)
-    cancel_unended(module_service)
-    stop_leftover_ray_jobs(ray_head)
-    return SCENARIOS
+    return SCENARIOS.run_on_module_service(module_service, ray_head)
 
 
 def test_full_deepspeed_config_job_runs_and_does_not_hold_up_the_next(outcomes: Scenarios) -> None:
