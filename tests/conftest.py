@@ -106,9 +106,15 @@ def ray_connected(ray_head: LocalHead) -> LocalHead:
 
 
 def wait_for(
-    predicate: Callable[[], object], *, timeout: float = 60.0, interval: float = 0.2, what: str = ""
+    predicate: Callable[[], object],
+    *,
+    timeout: float = 60.0,
+    interval: float = 0.2,
+    what: str = "",
+    explain: Callable[[], str] | None = None,
 ) -> object:
-    """Poll until `predicate()` is truthy; fail the test with `what` after `timeout` seconds."""
+    """Poll until `predicate()` is truthy; fail the test with `what` after `timeout` seconds, and with what
+    `explain()` says then (a job's timeline: `timeline`), since CI keeps nothing but the test's output."""
     deadline = time.monotonic() + timeout
     last: object = None
     while time.monotonic() < deadline:
@@ -116,7 +122,30 @@ def wait_for(
         if last:
             return last
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what or predicate}; last value: {last!r}")
+    said = ""
+    if explain is not None:
+        try:
+            said = "\n" + explain()
+        except Exception as e:  # the explanation must not hide the timeout
+            said = f"\n(explain failed: {e!r})"
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what or predicate}; last value: {last!r}{said}")
+
+
+def timeline(client: object, job_id: str) -> str:
+    """A job's events and attempts, one line each, seconds from its first event: what a timeout leaves to read."""
+    events = client.events(job_id)  # type: ignore[attr-defined]
+    if not events:
+        return f"{job_id}: no events"
+    t0 = events[0].at
+    lines = [f"{job_id} timeline:"]
+    for e in events:
+        move = f"{e.from_state or ''}->{e.to_state}" if e.to_state else e.kind
+        lines.append(f"  +{(e.at - t0).total_seconds():7.1f}s a{e.attempt or '-'} {move} {e.reason}: {e.message or ''}")
+    for a in client.attempts(job_id):  # type: ignore[attr-defined]
+        end = f"+{(a.ended_at - t0).total_seconds():.1f}s {a.end_reason}" if a.ended_at else "not ended"
+        lines.append(f"  attempt {a.number}: started +{(a.started_at - t0).total_seconds():.1f}s, ended {end}, "
+                     f"ray {a.ray_status}")  # fmt: skip
+    return "\n".join(lines)
 
 
 @pytest.fixture

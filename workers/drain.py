@@ -136,14 +136,37 @@ def watch_for_script(control: Path, stop: threading.Event) -> threading.Thread:
     return thread
 
 
-def script_stopped(control: Path) -> NodeDraining | None:
-    """The stop of a script whose Trainer saved on the notice and ended training (`DRAINED_FILE`), or None."""
+NOTICE_PATIENCE_SECONDS = 10.0
+
+
+def script_stopped(control: Path, *, patience_s: float = NOTICE_PATIENCE_SECONDS) -> NodeDraining | None:
+    """The stop of a script whose Trainer saved on the notice and ended training (`DRAINED_FILE`), or None.
+
+    The ranks agree on a notice when any rank's worker passed it on, so this rank's script may have saved and ended
+    before its own watcher wrote `DRAIN_FILE` (Ray Train hands the notice to the workers one by one; CI saw rank 0
+    get it after rank 1's script had saved). Such a rank still stops: its copy of the notice is Ray Train's, waited
+    for up to `patience_s`, since rank 0's names the nodes the dispatcher checks. Going on as if training had ended
+    would leave it waiting at Ray Train's barrier for ranks that stopped, until the node's deadline."""
     try:
         step = json.loads((control / DRAINED_FILE).read_text()).get("step")
+    except (OSError, ValueError):
+        return None
+    seen = _passed_on(control)
+    deadline = time.monotonic() + patience_s
+    while seen is None:
+        seen = local_notice()
+        if seen is not None or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    return NodeDraining(seen or {}, step if isinstance(step, int) else None)
+
+
+def _passed_on(control: Path) -> dict[str, Any] | None:
+    try:
         seen = json.loads((control / DRAIN_FILE).read_text())
     except (OSError, ValueError):
         return None
-    return NodeDraining(seen if isinstance(seen, dict) else {}, step if isinstance(step, int) else None)
+    return seen if isinstance(seen, dict) else None
 
 
 def mark_script_drained(control: Path, step: int) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from service.ray_local import free_port
-from tests.conftest import wait_for
+from tests.conftest import timeline, wait_for
 from tests.service.conftest import MultiNode, Service, drain_node, service_env, train_worker_nodes
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ def test_a_drain_notice_checkpoints_stops_and_resumes_elsewhere_losing_no_step(
             multinode.drained.add(name)  # put back after the test, whatever happens
             announced = drain_node(multinode.head.gcs_address, drained.node_id, deadline_s=DEADLINE_S)
             wait_for(lambda: c.get(job.id).attempt >= 2 and c.get(job.id).state == "RUNNING", timeout=DEADLINE_S,
-                     what="the job running again before the deadline")  # fmt: skip
+                     what="the job running again before the deadline", explain=lambda: timeline(c, job.id))  # fmt: skip
             again_after = time.monotonic() - announced
             assert drained.node_id not in train_worker_nodes(multinode.head.dashboard_url, f"shunter-{job.id}-2")
             # The node goes, as the autoscaler takes it, at any moment up to the deadline (a drain never kills by
@@ -104,10 +104,12 @@ def test_an_hf_trainer_script_saves_on_the_notice_and_resumes_from_it(multinode:
             multinode.drained.add(name)
             announced = drain_node(multinode.head.gcs_address, drained.node_id, deadline_s=DEADLINE_S)
             wait_for(lambda: (j := c.get(job.id)).attempt >= 2 and j.state == "RUNNING", timeout=DEADLINE_S,
-                     what="a second attempt running before the deadline")  # fmt: skip
+                     what="a second attempt running before the deadline",
+                     explain=lambda: timeline(c, job.id))  # fmt: skip
             print(f"second attempt {time.monotonic() - announced:.1f}s after the notice (deadline {DEADLINE_S}s)")
             multinode.cluster.remove_node(drained, allow_graceful=False)  # taken before the deadline, as above
             done = c.wait(job.id, timeout=300)
+            print(timeline(c, job.id))
             assert done.state == "SUCCEEDED", done.last_error
             first, _ = c.attempts(job.id)
             assert first.end_reason == "node_draining", first.message

@@ -287,3 +287,18 @@ def test_without_a_notice_the_script_trains_to_its_end_and_is_not_stopped(tmp_pa
     run_script(script, ["out", "4"], child_env(plain_env(RANK="0"), control))
     assert script_stopped(control) is None
     assert sorted(p.name for p in (control / SAVED_DIR).iterdir()) == ["checkpoint-3@0", "checkpoint-4@0"]
+
+
+def test_a_rank_whose_own_notice_came_late_still_stops_where_the_others_did(tmp_path: Path) -> None:
+    """The ranks agree on a notice when any rank's worker passed it on: a rank can save and end before its own worker
+    wrote `DRAIN_FILE`. It must still stop the attempt (CI: rank 0 went on to Ray Train's end-of-run barrier, which the
+    stopped ranks never reach, and the attempt hung until the node's deadline)."""
+    from workers.drain import DRAIN_FILE, NodeDraining, mark_script_drained, script_stopped
+
+    control = tmp_path / "control"
+    control.mkdir()
+    mark_script_drained(control, 17)
+    assert not (control / DRAIN_FILE).exists()
+    stopped = script_stopped(control, patience_s=0.2)  # outside Ray Train: no copy of the notice comes
+    assert isinstance(stopped, NodeDraining) and stopped.step == 17 and stopped.notice == {}
+    assert "at step 17" in str(stopped)
