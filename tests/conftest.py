@@ -9,9 +9,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from service.ray_local import LocalHead, ensure_local_head, stop_local_head
 from workers.warmup import use_interpreter_bin_first
+
+# Property tests assert behaviour, never time: no per-example deadline (Hypothesis' 200 ms default is a wall-clock
+# bound that a loaded CI core breaks; issue 34). A test's own @settings still sets its examples.
+settings.register_profile("shunter", deadline=None)
+settings.load_profile("shunter")
 
 # Tests never join a stranger's cluster, and never start one per test (Ray costs ~5 s to start here).
 os.environ.pop("RAY_ADDRESS", None)

@@ -39,16 +39,28 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
         yield engine
         engine.dispose()
         return
-    with fresh_pg_database() as url:
+    template = request.getfixturevalue("pg_schema_template")
+    with fresh_pg_database(template=template) as url:
         engine = make_engine(url)
-        upgrade(engine)
         yield engine
         engine.dispose()
 
 
+@pytest.fixture(scope="session")
+def pg_schema_template() -> Iterator[str]:
+    """A PostgreSQL database with shunter's schema, migrated once per test process: each `db` test gets a copy
+    (`CREATE DATABASE ... TEMPLATE`), not a run of every migration (~0.5-1 s each on a loaded machine, ~240 tests)."""
+    with fresh_pg_database("shunter_template") as url:
+        engine = make_engine(url)
+        upgrade(engine)
+        engine.dispose()  # a template must have no one connected while it is copied
+        yield url.rsplit("/", 1)[1]
+
+
 @contextlib.contextmanager
-def fresh_pg_database(prefix: str = "shunter_test") -> Iterator[str]:
-    """A fresh, empty PostgreSQL database, dropped (connections and all) afterwards; yields its URL."""
+def fresh_pg_database(prefix: str = "shunter_test", *, template: str | None = None) -> Iterator[str]:
+    """A fresh PostgreSQL database, empty or a copy of `template`, dropped (connections and all) afterwards; yields
+    its URL."""
     if not reachable(PG_ADMIN_URL):
         if os.environ.get("CI"):
             pytest.fail("PostgreSQL at 127.0.0.1:5432 is not reachable (CI must start it)")
@@ -56,7 +68,7 @@ def fresh_pg_database(prefix: str = "shunter_test") -> Iterator[str]:
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
     admin = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
+        conn.execute(text(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else "")))
     try:
         yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
     finally:
