@@ -46,17 +46,6 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
         engine.dispose()
 
 
-@pytest.fixture(scope="session")
-def pg_schema_template() -> Iterator[str]:
-    """A PostgreSQL database with shunter's schema, migrated once per test process: each `db` test gets a copy
-    (`CREATE DATABASE ... TEMPLATE`), not a run of every migration (~0.5-1 s each on a loaded machine, ~240 tests)."""
-    with fresh_pg_database("shunter_template") as url:
-        engine = make_engine(url)
-        upgrade(engine)
-        engine.dispose()  # a template must have no one connected while it is copied
-        yield url.rsplit("/", 1)[1]
-
-
 @contextlib.contextmanager
 def fresh_pg_database(prefix: str = "shunter_test", *, template: str | None = None) -> Iterator[str]:
     """A fresh PostgreSQL database, empty or a copy of `template`, dropped (connections and all) afterwards; yields
