@@ -138,7 +138,7 @@ class Finishing:
             drain_confirmed=self.nodes.confirms(attempt.started_at, message),
             elastic=spec is not None and spec.resources.elastic,
             node_losses=progress.node_losses(self.engine, job.id, attempt.id, reason),
-            max_free_node_losses=self.settings.max_free_node_losses,
+            max_free_node_losses=self.settings.max_free_node_losses, max_free_retries=self.settings.max_free_retries,
         )  # fmt: skip
         return Ending(job, attempt, action, message, log_uri, decision, job.preempt_requested_at is not None, utcnow())
 

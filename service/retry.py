@@ -30,6 +30,7 @@ def decide(
     elastic: bool = False,
     node_losses: int = 0,
     max_free_node_losses: int = 20,
+    max_free_retries: int = 100,
 ) -> RetryDecision:
     """Retry a retryable end while attempts remain, after exponential backoff (doubling, capped).
 
@@ -42,12 +43,16 @@ def decide(
     saying its node drains. `elastic`: the job runs at any size in a range; a node it lost (borne out the same way)
     makes it shrink onto the nodes that stay, at once and not counted, rather than fail. `node_losses`: the job's
     earlier attempts that ended so (drained or lost a node); past `max_free_node_losses` they count like any failure,
-    so a job that can take its own node down cannot be retried without end.
+    so a job that can take its own node down cannot be retried without end. `max_free_retries`: the most attempts of
+    one job that do not count, of every kind (preempted, drained, shrunk, a head restart); past it an end of those
+    kinds counts like any failure, so no job runs for ever on retries that cost it nothing.
     """
-    drain_confirmed = drain_confirmed and node_losses < max_free_node_losses
+    free = preemptions + (0 if count_cluster_restarts else cluster_restarts)
+    free_left = free < max_free_retries
+    drain_confirmed = drain_confirmed and node_losses < max_free_node_losses and free_left
     if reason is EndReason.SUCCEEDED:
         return RetryDecision(False, why="succeeded")
-    if reason is EndReason.PREEMPTED:
+    if reason is EndReason.PREEMPTED and free_left:
         return RetryDecision(True, why="preempted: back to the queue, resuming from its checkpoint", uncounted=True)
     if reason is EndReason.NODE_DRAINING and drain_confirmed:
         return RetryDecision(True, why="a node of the attempt is draining: it checkpointed and stopped; back to the "
@@ -57,16 +62,18 @@ def decide(
         why = ("an elastic job lost a node: it resumes at once on the nodes that stay, at the size that fits; this "
                "does not count against max_attempts")  # fmt: skip
         return RetryDecision(True, why=why, uncounted=True)
-    if reason is EndReason.CLUSTER_RESTARTED and not count_cluster_restarts:
+    if reason is EndReason.CLUSTER_RESTARTED and not count_cluster_restarts and free_left:
         delay = min(backoff_seconds, max_backoff_seconds)
         return RetryDecision(True, delay_seconds=delay, why="the Ray head restarted and lost the attempt: resuming "
                              "from its checkpoint; this does not count against max_attempts")  # fmt: skip
     # Preempted attempts (for another job, or on a drain notice) were not failures, nor (unless counted) those a head
     # restart took: they do not use up max_attempts.
-    attempt -= preemptions + (0 if count_cluster_restarts else cluster_restarts)
-    if not (reason.is_retryable() or (reason is EndReason.TIMEOUT and retry_on_timeout)):
+    attempt -= min(free, max_free_retries)
+    retryable = reason.is_retryable() or reason is EndReason.PREEMPTED  # preempted past the free ones: counted
+    if not (retryable or (reason is EndReason.TIMEOUT and retry_on_timeout)):
         return RetryDecision(False, why=f"{reason.value} is not retryable")
     if attempt >= max_attempts:
-        return RetryDecision(False, why=f"attempts exhausted ({attempt}/{max_attempts})")
+        spent = f"; {free} free retries spent (max_free_retries {max_free_retries})" if not free_left else ""
+        return RetryDecision(False, why=f"attempts exhausted ({attempt}/{max_attempts}){spent}")
     delay = min(backoff_seconds * (2 ** (attempt - 1)), max_backoff_seconds)
     return RetryDecision(True, delay_seconds=delay, why=f"{reason.value}: attempt {attempt + 1}/{max_attempts}")

@@ -69,6 +69,9 @@ class Settings(BaseSettings):
     # Drained attempts (and an elastic job's lost nodes) are retried without counting against max_attempts up to this
     # many times per job; past it they count, so a job that takes its own node down cannot be retried without end.
     max_free_node_losses: int = Field(20, ge=0)
+    # Every attempt of a job that does not count (preempted, drained, shrunk, a head restart) is counted here; past
+    # this many per job they count like any failure, so no job is retried for ever at no cost to it (issue 35).
+    max_free_retries: int = Field(100, ge=0)
     # Node exclusion (service.exclusion): a node named by a failed pre-flight check, or this many times by a lost worker
     # or a collective timeout, is kept out of that job's retries; one on which this many distinct jobs failed within
     # the cool-down is kept out of everyone's admissions until the cool-down has passed (or an admin clears it).

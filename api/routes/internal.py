@@ -25,11 +25,14 @@ from service.models import ACTIVE_STATES, EndReason, Job, JobState
 MAX_BODY_BYTES = 64 * 1024  # enforced while the body is read, by api.limits.BodyLimit (see api/app.py)
 MAX_METRICS = 256
 MAX_STEP = 2**31 - 1  # jobs.step and metrics.step are 32-bit integers on PostgreSQL
-# What a driver may say about its own end: never preemption or a timeout (the dispatcher's own decisions), which
-# would change how the job is retried. Success it may: its train function returned, which is all a Ray Job's
-# SUCCEEDED says too (an exit code the same code chooses); the dispatcher ends the attempt on it without waiting for
-# Ray's teardown, and stops a Ray Job that lingers past `linger_seconds` after its driver's last word.
-DRIVER_END_REASONS = frozenset(EndReason) - {EndReason.PREEMPTED, EndReason.TIMEOUT}
+# What a driver may say about its own end: never preemption, a timeout or a head restart (the dispatcher's own
+# decisions and findings: `reconcile` sees a head restart itself), which would change how the job is retried; a
+# claimed head restart was a retry that did not count, as often as a job cared to claim it (issue 35). Success it
+# may: its train function returned, which is all a Ray Job's SUCCEEDED says too (an exit code the same code chooses);
+# the dispatcher ends the attempt on it without waiting for Ray's teardown, and stops a Ray Job that lingers past
+# `linger_seconds` after its driver's last word. `node_draining` and `node_lost` it may claim: they cost nothing only
+# when Ray bears them out (service.nodes), and only up to the job's free retries (service.retry).
+DRIVER_END_REASONS = frozenset(EndReason) - {EndReason.PREEMPTED, EndReason.TIMEOUT, EndReason.CLUSTER_RESTARTED}
 
 
 PREFIX = "/internal/v1/attempts"

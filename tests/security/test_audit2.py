@@ -1,0 +1,76 @@
+"""The second audit (issue 35), finding by finding: each test failed on the main it was found on. Quick tier: the
+internal and public APIs over real HTTP (`tests.live_api`) on SQLite and PostgreSQL, and the pure decisions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy.engine import Engine
+
+from service import attempt_tokens
+from service.models import EndReason, Job, JobState
+from service.retry import decide
+from service.spec import JobSpec
+from tests.live_api import LiveApi, add_attempt, live_api
+from tests.service.conftest import db  # noqa: F401 - the fixture
+
+SPEC = {"entrypoint": {"callable": "examples.mlp:train_loop"}, "resources": {"num_workers": 1},
+        "retries": {"max_attempts": 1}}  # fmt: skip
+ALICE = "alice-token"
+
+
+@pytest.fixture
+def api(db: Engine, tmp_path: Path) -> Iterator[LiveApi]:  # noqa: F811 - the imported fixture
+    attempt_tokens.forget_cached_keys()
+    with live_api(db, tmp_path, api_tokens={ALICE: {"owner": "alice"}}) as live:
+        yield live
+    attempt_tokens.forget_cached_keys()
+
+
+def running_job(engine: Engine, **spec: object) -> str:
+    job = Job(name="j", owner="alice", spec=JobSpec.model_validate({**SPEC, **spec}).model_dump(mode="json"),
+              state=JobState.RUNNING, attempt=1)  # fmt: skip
+    add_attempt(engine, job)
+    return job.id
+
+
+# ---- 1. free retries by claiming a reason -------------------------------------------------------------------------
+def test_1_a_job_cannot_claim_a_head_restart_for_itself(api: LiveApi) -> None:
+    """A job's attempt token posted `cluster_restarted` as its end: a retry that did not count, as often as it liked
+    (a `max_attempts: 1` job reached attempt 8). The dispatcher finds a head restart itself; the claim is refused."""
+    job = running_job(api.engine)
+    token = api.token(job, 1)
+    for reason in ("cluster_restarted", "preempted", "timeout"):
+        r = httpx.post(f"{api.url}/internal/v1/attempts/{job}/1/end", json={"reason": reason, "message": "x"},
+                       headers={"Authorization": f"Bearer {token}"}, timeout=10)  # fmt: skip
+        assert r.status_code == 422, (reason, r.text)
+        assert f"a driver cannot record {reason}" in r.text and "reason" in r.text
+    ok = httpx.post(f"{api.url}/internal/v1/attempts/{job}/1/end", json={"reason": "worker_lost", "message": "x"},
+                    headers={"Authorization": f"Bearer {token}"}, timeout=10)  # fmt: skip
+    assert ok.json() == {"recorded": True}
+
+
+@pytest.mark.parametrize(
+    ("reason", "kw"),
+    [
+        (EndReason.PREEMPTED, {}),
+        (EndReason.NODE_DRAINING, {"drain_confirmed": True}),
+        (EndReason.NODE_LOST, {"elastic": True, "drain_confirmed": True}),
+        (EndReason.CLUSTER_RESTARTED, {}),
+    ],
+)
+def test_1_every_free_retry_has_a_cap_per_job(reason: EndReason, kw: dict) -> None:
+    """Ends that cost the job nothing are free only up to `max_free_retries` per job, counted together; past it
+    they count like any failure, and a `max_attempts: 1` job ends."""
+    base = {"reason": reason, "max_attempts": 1, "backoff_seconds": 5, "max_backoff_seconds": 60,
+            "max_free_retries": 10, **kw}  # fmt: skip
+    under = decide(**base, attempt=10, preemptions=5, cluster_restarts=4)
+    assert under.retry and under.uncounted or reason is EndReason.CLUSTER_RESTARTED and under.retry
+    spent = decide(**base, attempt=11, preemptions=6, cluster_restarts=4)
+    assert not spent.retry and "10 free retries spent" in spent.why, spent
+    # Within the cap, a counted failure still sees its free attempts as not counted.
+    assert decide(reason=EndReason.WORKER_LOST, attempt=9, max_attempts=2, backoff_seconds=1, max_backoff_seconds=1,
+                  preemptions=8, max_free_retries=10).retry  # fmt: skip
