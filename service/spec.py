@@ -50,6 +50,9 @@ MAX_SPEC_DEPTH = 200
 _MEMORY = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE | re.ASCII)
 # A checkpoint id: a positive integer that fits a 64-bit database column (ASCII digits only; "²".isdigit() is true).
 _CHECKPOINT_ID = re.compile(r"[1-9][0-9]{0,17}")
+# Row ids are 32-bit on PostgreSQL: a larger id named no row, and failed every dispatcher tick with a raw SQL error
+# (NumericValueOutOfRange) before it was refused here (issue 35).
+MAX_ROW_ID = 2**31 - 1
 _MEMORY_UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024,
@@ -257,10 +260,10 @@ class CheckpointSpec(StrictModel):
     @field_validator("resume_from")
     @classmethod
     def _resume_form(cls, value: str) -> str:
-        if value not in ("latest", "none") and not _CHECKPOINT_ID.fullmatch(value):
+        if value not in ("latest", "none") and not (_CHECKPOINT_ID.fullmatch(value) and int(value) <= MAX_ROW_ID):
             raise ValueError(
-                f"must be 'latest', 'none' or a checkpoint id (a positive number of at most 18 digits, no leading "
-                f"zeros), got {value!r}"
+                f"must be 'latest', 'none' or a checkpoint id (a whole number from 1 to {MAX_ROW_ID}, no leading "
+                f"zeros), got {value[:40]!r}"
             )
         return value
 

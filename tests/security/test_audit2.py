@@ -74,3 +74,19 @@ def test_1_every_free_retry_has_a_cap_per_job(reason: EndReason, kw: dict) -> No
     # Within the cap, a counted failure still sees its free attempts as not counted.
     assert decide(reason=EndReason.WORKER_LOST, attempt=9, max_attempts=2, backoff_seconds=1, max_backoff_seconds=1,
                   preemptions=8, max_free_retries=10).retry  # fmt: skip
+
+
+def submit(api: LiveApi, spec: dict) -> httpx.Response:
+    return httpx.post(f"{api.url}/v1/jobs", json=spec, headers={"Authorization": f"Bearer {ALICE}"}, timeout=10)
+
+
+# ---- 6. a checkpoint id past a 32-bit row id ----------------------------------------------------------------------
+def test_6_a_checkpoint_id_no_row_can_have_is_refused_at_submission(api: LiveApi) -> None:
+    """`checkpoint.resume_from` above 2**31-1 was accepted; on PostgreSQL it then failed every dispatcher tick with
+    NumericValueOutOfRange, held its room, ended `infra` (retried) and showed raw SQL in `last_error`."""
+    for too_big in ("2147483648", "999999999999999999"):
+        r = submit(api, {**SPEC, "checkpoint": {"resume_from": too_big}})
+        assert (r.status_code, r.json().get("field")) == (422, "checkpoint.resume_from"), r.text
+        assert "from 1 to 2147483647" in r.json()["detail"]
+    largest = submit(api, {**SPEC, "checkpoint": {"resume_from": "2147483647"}})
+    assert largest.status_code == 201, largest.text
