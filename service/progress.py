@@ -59,10 +59,18 @@ def record_report(
     now = utcnow()
     with Session(engine) as session:
         begin_write(session)
-        values: dict[str, Any] = {"step": step, "latest_metrics": numeric, "progress_at": now} if progress else {}
+        current = (Job.id == job_id, Job.attempt == attempt, Job.state.in_(ACTIVE_STATES))  # type: ignore[attr-defined]
+        shown = numeric
+        if progress and "loss" not in numeric:
+            # The job's shown loss is the last one reported: a report without one (an HF Trainer's end-of-training
+            # summary) keeps it in `latest_metrics`, instead of the job ending with `loss: null` (issue 35). Only
+            # there: no metric row or checkpoint gets a loss its report did not have.
+            before = session.exec(select(Job.latest_metrics).where(*current)).first()
+            if isinstance(before, dict) and isinstance(before.get("loss"), int | float):
+                shown = {**numeric, "loss": before["loss"]}
+        values: dict[str, Any] = {"step": step, "latest_metrics": shown, "progress_at": now} if progress else {}
         if checkpoint_uri and checkpoint_complete:
             values["latest_checkpoint"] = checkpoint_uri
-        current = (Job.id == job_id, Job.attempt == attempt, Job.state.in_(ACTIVE_STATES))  # type: ignore[attr-defined]
         replay = bool(checkpoint_uri) and session.exec(
             select(Checkpoint.id).where(Checkpoint.job_id == job_id, Checkpoint.attempt == attempt,
                                         Checkpoint.uri == checkpoint_uri).limit(1)

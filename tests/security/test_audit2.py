@@ -90,3 +90,20 @@ def test_6_a_checkpoint_id_no_row_can_have_is_refused_at_submission(api: LiveApi
         assert "from 1 to 2147483647" in r.json()["detail"]
     largest = submit(api, {**SPEC, "checkpoint": {"resume_from": "2147483647"}})
     assert largest.status_code == 201, largest.text
+
+
+# ---- 12. the shown loss is the last one reported ------------------------------------------------------------------
+def test_12_a_report_without_a_loss_keeps_the_last_one_shown(api: LiveApi) -> None:
+    """An unchanged HF `run_clm.py` ended SUCCEEDED with `loss: null`: its end-of-training summary report has no
+    `loss`, and the job showed the latest report's only. The metric rows stay what each report said."""
+    job = running_job(api.engine)
+    token = {"Authorization": f"Bearer {api.token(job, 1)}"}
+    for body in ({"metrics": {"loss": 0.25}, "step": 3}, {"metrics": {"train_runtime": 5.0}, "step": 4}):
+        r = httpx.post(f"{api.url}/internal/v1/attempts/{job}/1/report", json=body, headers=token, timeout=10)
+        assert r.json() == {"recorded": True}, r.text
+    shown = httpx.get(f"{api.url}/v1/jobs/{job}", headers={"Authorization": f"Bearer {ALICE}"}, timeout=10).json()
+    assert shown["loss"] == 0.25 and shown["step"] == 4
+    assert shown["latest_metrics"] == {"loss": 0.25, "train_runtime": 5.0}
+    losses = httpx.get(f"{api.url}/v1/jobs/{job}/metrics", params={"name": "loss"},
+                       headers={"Authorization": f"Bearer {ALICE}"}, timeout=10).json()  # fmt: skip
+    assert [(m["step"], m["value"]) for m in losses] == [(3, 0.25)]
