@@ -19,6 +19,7 @@ import httpx
 import typer
 import yaml
 from pydantic import BaseModel
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Column, Table
 
@@ -58,7 +59,7 @@ def _calling(server: str, token: str | None) -> Iterator[Client]:
 
 
 def _fail(exc: Exception) -> NoReturn:
-    err.print(f"[red]error:[/red] {exc}")
+    err.print(f"[red]error:[/red] {escape(str(exc))}")
     raise typer.Exit(1 if isinstance(exc, ApiError) and exc.status_code < 500 else 2)
 
 
@@ -74,10 +75,10 @@ def _load_spec(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
-        err.print(f"[red]cannot read {path}:[/red] {exc}")
+        err.print(f"[red]cannot read {escape(str(path))}:[/red] {escape(str(exc))}")
         raise typer.Exit(2) from exc
     if not isinstance(data, dict):
-        err.print(f"[red]{path} is not a job spec (a mapping)[/red]")
+        err.print(f"[red]{escape(str(path))} is not a job spec (a mapping)[/red]")
         raise typer.Exit(2)
     return data
 
@@ -106,7 +107,7 @@ def submit(
         except ApiError as exc:
             if exc.body.get("errors"):
                 for e in exc.body["errors"]:
-                    err.print(f"[red]{e['field']}[/red]: {e['message']}")
+                    err.print(f"[red]{escape(str(e['field']))}[/red]: {escape(str(e['message']))}")
             _fail(exc)
             return
         except OSError as exc:  # --working-dir: not a folder, unreadable
@@ -116,7 +117,7 @@ def submit(
     if as_json:
         _print_json(job)
     else:
-        console.print(f"submitted [bold]{job.id}[/bold] ({job.name}) state={job.state}")
+        console.print(f"submitted [bold]{job.id}[/bold] ({escape(job.name)}) state={job.state}")
     if watch_it:
         watch(job.id, server=server, token=token)
 
@@ -140,15 +141,17 @@ def status(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None,
         elif key == "estimated_start" and job.state == "QUEUED":
             value = _start_text(value) if not job.waiting_on else "once its dependencies are met"
         if value is not None:
-            table.add_row(f"[bold]{key}[/bold]", str(value))
+            table.add_row(f"[bold]{key}[/bold]", escape(str(value)))
     current = next((a for a in attempts if a.number == job.attempt), None)
     checked = preflight.summary(current.preflight) if current is not None else None
     if checked:
-        table.add_row("[bold]preflight[/bold]", f"attempt {job.attempt}: {checked}")
+        table.add_row("[bold]preflight[/bold]", escape(f"attempt {job.attempt}: {checked}"))
     for dep in job.dependencies or []:  # depends_on (service.dependencies)
         named = f", as {dep.as_}" if dep.as_ else ""
         handed = f", checkpoint {dep.checkpoint}" if dep.checkpoint else ""
-        table.add_row("[bold]depends on[/bold]", f"{dep.job} (on {dep.on}{named}): {dep.status}, {dep.state}{handed}")
+        table.add_row(
+            "[bold]depends on[/bold]", escape(f"{dep.job} (on {dep.on}{named}): {dep.status}, {dep.state}{handed}")
+        )
     console.print(table)
 
 
@@ -185,7 +188,7 @@ def list_cmd(
     table.columns[0].no_wrap = True  # ids are for copying: never fold them
     for job in page.items:
         loss = f"{job.loss:.4f}" if job.loss is not None else ""
-        table.add_row(job.id, job.name, job.state, str(job.attempt), str(job.step or ""), loss,
+        table.add_row(job.id, escape(job.name), job.state, str(job.attempt), str(job.step or ""), loss,
                       job.created_at.strftime("%Y-%m-%d %H:%M:%S"))  # fmt: skip
     console.print(table)
 
@@ -195,7 +198,7 @@ def cancel(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None)
     """Cancel a job (its Ray Job is stopped)."""
     with _calling(server, token) as c:
         body = c.cancel(job_id)
-    console.print(f"{job_id}: {body['detail']} (state {body['state']})")
+    console.print(escape(f"{job_id}: {body['detail']} (state {body['state']})"))
 
 
 @app.command()
@@ -203,7 +206,7 @@ def retry(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None) 
     """Queue a FAILED or CANCELLED job again, resuming from its last good checkpoint."""
     with _calling(server, token) as c:
         body = c.retry(job_id)
-    console.print(f"{job_id}: {body['detail']} (state {body['state']})")
+    console.print(escape(f"{job_id}: {body['detail']} (state {body['state']})"))
 
 
 @app.command()
@@ -227,7 +230,7 @@ def logs(
 
 def _event_row(table: Table, e: EventPublic) -> None:
     change = f"{e.from_state or ''} → {e.to_state}" if e.to_state else ""
-    table.add_row(e.at.strftime("%H:%M:%S.%f")[:-3], e.kind, change, e.reason, (e.message or "")[:80])
+    table.add_row(e.at.strftime("%H:%M:%S.%f")[:-3], e.kind, change, escape(e.reason), escape((e.message or "")[:80]))
 
 
 @app.command()
@@ -250,7 +253,7 @@ def events(
                 else:
                     change = f" {e.from_state or '·'} → {e.to_state}" if e.to_state else ""
                     job = "" if job_id else f"{e.job_id} "
-                    console.print(f"{e.at:%H:%M:%S} {job}{e.kind}{change} ({e.reason}) {e.message or ''}")
+                    console.print(escape(f"{e.at:%H:%M:%S} {job}{e.kind}{change} ({e.reason}) {e.message or ''}"))
             return
         rows = c.events(job_id) if job_id else c.all_events(limit=1000)
     if as_json:
@@ -280,7 +283,7 @@ def metrics(
     by_step: dict[tuple[int, int | None], dict[str, float]] = {}
     for p in points:
         by_step.setdefault((p.attempt, p.step), {})[p.name] = p.value
-    table = Table("attempt", "step", *names)
+    table = Table("attempt", "step", *map(escape, names))
     for (number, step), values in by_step.items():
         table.add_row(str(number), str(step if step is not None else ""), *(_num(values.get(n)) for n in names))
     console.print(table)
@@ -303,7 +306,9 @@ def checkpoints(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = 
     for k in rows:
         state = "pruned" if k.pruned else ("complete" if k.complete else "incomplete")
         loss = _num((k.metrics or {}).get("loss"))
-        table.add_row(str(k.id), str(k.attempt), str(k.step or ""), loss, state, f"{k.created_at:%H:%M:%S}", k.uri)
+        table.add_row(
+            str(k.id), str(k.attempt), str(k.step or ""), loss, state, f"{k.created_at:%H:%M:%S}", escape(k.uri)
+        )
     console.print(table)
 
 
@@ -315,14 +320,16 @@ def cluster(server: ServerOpt = DEFAULT_URL, token: TokenOpt = None, as_json: Js
     if as_json:
         _print_json(view)
         return
-    console.print(f"dashboard: {view.dashboard_url or '?'}   seen: {view.taken_at or 'never'}")
+    console.print(escape(f"dashboard: {view.dashboard_url or '?'}   seen: {view.taken_at or 'never'}"))
     table = Table("node", "address", "alive", "CPU free/total", "GPU free/total")
     for n in view.nodes:
         cells = [f"{n.available.get(k, 0):g}/{n.total.get(k, 0):g}" for k in ("CPU", "GPU")]
-        table.add_row(n.node_id[:12], n.address or "", "yes" if n.alive else "no", *cells)
+        table.add_row(escape(n.node_id[:12]), escape(n.address or ""), "yes" if n.alive else "no", *cells)
     console.print(table)
     for j in view.jobs:
-        console.print(f"{j.id} {j.name} {j.state} attempt {j.attempt} {j.resources} {j.ray_dashboard_url or ''}")
+        console.print(
+            escape(f"{j.id} {j.name} {j.state} attempt {j.attempt} {j.resources} {j.ray_dashboard_url or ''}")
+        )
 
 
 @app.command()
@@ -346,7 +353,14 @@ def usage(
     title = f"usage {report.since:%Y-%m-%d %H:%M} to {report.until:%Y-%m-%d %H:%M} UTC"
     table = Table("owner", "team", "queue", *numbers, title=title)
     for r in report.rows:
-        table.add_row(r.owner, r.team or "", r.queue, f"{r.cpu_hours:.2f}", f"{r.gpu_hours:.2f}", str(r.attempts))
+        table.add_row(
+            escape(r.owner),
+            escape(r.team or ""),
+            escape(r.queue),
+            f"{r.cpu_hours:.2f}",
+            f"{r.gpu_hours:.2f}",
+            str(r.attempts),
+        )
     t = report.totals
     table.add_section()
     table.add_row("[bold]total[/bold]", "", "", f"{t.cpu_hours:.2f}", f"{t.gpu_hours:.2f}", str(t.attempts))
@@ -379,16 +393,18 @@ def watch(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None) 
                 for e in c.events(job_id, after=seen_events):
                     seen_events = e.id
                     if e.to_state:
-                        progress.console.print(f"{e.at:%H:%M:%S} {e.from_state or '·'} → {e.to_state} ({e.reason})")
+                        progress.console.print(
+                            escape(f"{e.at:%H:%M:%S} {e.from_state or '·'} → {e.to_state} ({e.reason})")
+                        )
                 loss = f"loss {job.loss:.4f}" if job.loss is not None else ""
                 total = total or (job.latest_metrics or {}).get("total_steps")
-                progress.update(task, total=total, completed=job.step or 0, state=_queued_text(job), loss=loss)
+                progress.update(task, total=total, completed=job.step or 0, state=escape(_queued_text(job)), loss=loss)
                 if job.state in TERMINAL:
                     break
                 time.sleep(0.5)
     style = "green" if job.state == "SUCCEEDED" else "red"
-    console.print(f"[{style}]{job.id} {job.state}[/{style}]" + (f": {job.last_error}" if job.last_error else ""))
+    console.print(f"[{style}]{job.id} {job.state}[/{style}]" + escape(f": {job.last_error}" if job.last_error else ""))
     if job.latest_checkpoint:
-        console.print(f"latest checkpoint: {job.latest_checkpoint}")
+        console.print(escape(f"latest checkpoint: {job.latest_checkpoint}"))
     if job.state != "SUCCEEDED":
         raise typer.Exit(1)

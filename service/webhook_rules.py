@@ -115,14 +115,20 @@ def event_document(
 _SLACK_MARK = {"SUCCEEDED": ":white_check_mark:", "FAILED": ":x:", "CANCELLED": ":no_entry_sign:"}
 
 
+def slack_escape(text: str) -> str:
+    """Text a job chose (its name, a reason its driver wrote) as Slack shows it, never as Slack's control sequences:
+    `<!channel>` pinged everyone and `<https://x|text>` disguised a link (issue 35). Slack's own rule: escape &, <, >."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def slack_document(document: dict[str, Any]) -> dict[str, Any]:
     """A Slack-compatible body (`{"text": ...}`) for an event document."""
     job = document["job"]
     mark = _SLACK_MARK.get(document["to_state"], ":information_source:")
-    text = f"{mark} shunter job *{job['name']}* (`{job['id']}`) is {document['to_state']}"
+    text = f"{mark} shunter job *{slack_escape(str(job['name']))}* (`{job['id']}`) is {document['to_state']}"
     detail = job.get("state_reason") or document["reason"]
     if detail:
-        text += f": {detail[:500]}"
+        text += f": {slack_escape(detail[:500])}"
     return {"text": text}
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 from sqlalchemy.engine import Engine
+from sqlmodel import Session
 
 from service import attempt_tokens
 from service.models import EndReason, Job, JobState
@@ -107,3 +108,45 @@ def test_12_a_report_without_a_loss_keeps_the_last_one_shown(api: LiveApi) -> No
     losses = httpx.get(f"{api.url}/v1/jobs/{job}/metrics", params={"name": "loss"},
                        headers={"Authorization": f"Bearer {ALICE}"}, timeout=10).json()  # fmt: skip
     assert [(m["step"], m["value"]) for m in losses] == [(3, 0.25)]
+
+
+# ---- 9. text a job writes is shown as text --------------------------------------------------------------------------
+HOSTILE = "[link=https://evil.example]click[/link] [/oops] <!channel> <https://evil.example|docs> &amp;"
+
+
+def test_9_the_cli_shows_a_jobs_text_as_text(api: LiveApi) -> None:
+    """A `checkpoint_uri` (or name, reason, message) holding rich markup crashed `shunter checkpoints`, `status` and
+    `events` with MarkupError, or showed a disguised link. Through the real CLI against the real API."""
+    from typer.testing import CliRunner
+
+    from api.cli import app
+    from service.models import Job as JobRow
+
+    job = running_job(api.engine)
+    token = {"Authorization": f"Bearer {api.token(job, 1)}"}
+    body = {"metrics": {"loss": 0.5}, "step": 2, "checkpoint_uri": f"/ckpt/{HOSTILE}", "keep": 2}
+    assert httpx.post(f"{api.url}/internal/v1/attempts/{job}/1/report", json=body, headers=token,
+                      timeout=10).json() == {"recorded": True}  # fmt: skip
+    with Session(api.engine) as session:  # a name and an error message the job's owner or driver chose
+        row = session.get(JobRow, job)
+        assert row is not None
+        row.name, row.last_error = HOSTILE[:60], HOSTILE
+        session.add(row)
+        session.commit()
+    runner = CliRunner()
+    for command in (["checkpoints", job], ["status", job], ["events", job], ["list"]):
+        out = runner.invoke(app, [*command, "--server", api.url, "--token", ALICE], env={"COLUMNS": "400"})
+        assert out.exit_code == 0, (command, out.output, out.exception)
+        assert "[/oops]" in out.output or command in (["events", job], ["list"]), (command, out.output)
+    shown = runner.invoke(app, ["checkpoints", job, "--server", api.url, "--token", ALICE], env={"COLUMNS": "400"})
+    assert "[link=https://evil.example]click[/link]" in shown.output
+
+
+def test_9_a_slack_body_escapes_what_a_job_wrote() -> None:
+    from service.webhook_rules import slack_document
+
+    doc = {"job": {"name": "x <!channel>", "id": "j1", "state_reason": "<https://evil.example|docs> & more"},
+           "to_state": "FAILED", "reason": "user_error"}  # fmt: skip
+    text = slack_document(doc)["text"]
+    assert "<!channel>" not in text and "<https://evil.example|docs>" not in text
+    assert "&lt;!channel&gt;" in text and "&lt;https://evil.example|docs&gt; &amp; more" in text
