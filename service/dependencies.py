@@ -31,7 +31,7 @@ from sqlalchemy import func, update
 from sqlmodel import Session, col, select
 
 from service.dependency_spec import Condition, OnFailure, substitute
-from service.errors import Conflict, Forbidden, InvalidSpec
+from service.errors import Conflict, InvalidSpec
 from service.models import EndReason, EventKind, Job, JobDependency, JobState, utcnow
 from service.spec import JobSpec
 
@@ -70,8 +70,9 @@ READY_REASON = "dependencies met; waiting for resources"
 
 # ---- submission and retry ----------------------------------------------------------------------------------------
 def record(session: Session, job: Job, spec: JobSpec, *, owner: str, admin: bool, now: datetime) -> None:
-    """Write the edges of a just-flushed `job` and its `waiting_on`; refuse unknown ids (422), another owner's jobs
-    for a non-admin (403), and dependencies that already missed (422)."""
+    """Write the edges of a just-flushed `job` and its `waiting_on`; refuse unknown ids and, for a non-admin, another
+    owner's jobs with the same 422 (a 403 told anyone which job ids exist: issue 35), and dependencies that already
+    missed (422)."""
     if not spec.depends_on:
         return
     # Locked, in id order (two submissions naming the same jobs never wait on each other in a circle): a dependency
@@ -81,10 +82,8 @@ def record(session: Session, job: Job, spec: JobSpec, *, owner: str, admin: bool
     for i, dep in enumerate(spec.depends_on):
         field = f"depends_on[{i}].job"
         row = rows.get(dep.job)
-        if row is None:
+        if row is None or (not admin and row.owner != owner):
             raise InvalidSpec(f"{field}: no job {dep.job!r}", field=field)
-        if not admin and row.owner != owner:
-            raise Forbidden(f"{field}: job {dep.job} is another owner's; only an admin may depend on it")
         got = outcome(dep.on, JobState(row.state))
         if got == MISSED:
             raise InvalidSpec(

@@ -117,7 +117,7 @@ _SLACK_MARK = {"SUCCEEDED": ":white_check_mark:", "FAILED": ":x:", "CANCELLED": 
 
 def slack_escape(text: str) -> str:
     """Text a job chose (its name, a reason its driver wrote) as Slack shows it, never as Slack's control sequences:
-    `<!channel>` pinged everyone and `<https://x|text>` disguised a link (issue 35). Slack's own rule: escape &, <, >."""
+    `<!channel>` pinged everyone and `<https://x|text>` disguised a link (issue 35). Slack's rule: escape &, <, >."""
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 

@@ -150,3 +150,20 @@ def test_9_a_slack_body_escapes_what_a_job_wrote() -> None:
     text = slack_document(doc)["text"]
     assert "<!channel>" not in text and "<https://evil.example|docs>" not in text
     assert "&lt;!channel&gt;" in text and "&lt;https://evil.example|docs&gt; &amp; more" in text
+
+
+# ---- 8. what leaks to other tenants -------------------------------------------------------------------------------
+def test_8_another_owners_job_in_depends_on_is_answered_as_no_job(db: Engine, tmp_path: Path) -> None:  # noqa: F811
+    """`depends_on` told another owner's job (403) apart from no job (422): anyone could learn which ids exist."""
+    tokens = {ALICE: {"owner": "alice"}, "bob-token": {"owner": "bob"}}
+    with live_api(db, tmp_path, api_tokens=tokens) as api:
+
+        def post(token: str, spec: dict) -> httpx.Response:
+            return httpx.post(f"{api.url}/v1/jobs", json=spec, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+
+        hers = post(ALICE, SPEC).json()["id"]
+        unknown = "j0123456789abcdef"
+        theirs, nobodys = (post("bob-token", {**SPEC, "depends_on": [{"job": j}]}) for j in (hers, unknown))
+        assert (theirs.status_code, nobodys.status_code) == (422, 422)
+        assert theirs.json()["detail"].replace(hers, "ID") == nobodys.json()["detail"].replace(unknown, "ID")
+        assert theirs.json()["field"] == nobodys.json()["field"] == "depends_on[0].job"
