@@ -167,3 +167,30 @@ def test_8_another_owners_job_in_depends_on_is_answered_as_no_job(db: Engine, tm
         assert (theirs.status_code, nobodys.status_code) == (422, 422)
         assert theirs.json()["detail"].replace(hers, "ID") == nobodys.json()["detail"].replace(unknown, "ID")
         assert theirs.json()["field"] == nobodys.json()["field"] == "depends_on[0].job"
+
+
+def test_8_a_node_kept_out_names_only_the_callers_own_jobs(db: Engine, tmp_path: Path) -> None:  # noqa: F811
+    """`/v1/cluster` `excluded_nodes[].jobs` listed other owners' job ids."""
+    from service.models import NodeFault
+
+    tokens = {ALICE: {"owner": "alice"}, "bob-token": {"owner": "bob"}, "ops-token": {"owner": "ops", "admin": True}}
+    owners = {"alice": [], "bob": []}
+    with Session(db) as session:
+        for owner in ("alice", "alice", "bob"):  # three jobs of two owners failed their pre-flight on node n1
+            job = Job(name="j", owner=owner, spec=JobSpec.model_validate(SPEC).model_dump(mode="json"),
+                      state=JobState.FAILED, attempt=1)  # fmt: skip
+            session.add(job)
+            session.flush()
+            session.add(NodeFault(node_id="n1", job_id=job.id, attempt=1, reason="preflight_failed"))
+            owners[owner].append(job.id)
+        session.commit()
+    with live_api(db, tmp_path, api_tokens=tokens) as api:
+
+        def seen(token: str) -> list[dict]:
+            view = httpx.get(f"{api.url}/v1/cluster", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+            return view.json()["excluded_nodes"]
+
+        (alice,), (bob,), (ops,) = seen(ALICE), seen("bob-token"), seen("ops-token")
+        assert sorted(alice["jobs"]) == sorted(owners["alice"]) and bob["jobs"] == owners["bob"]
+        assert sorted(ops["jobs"]) == sorted(owners["alice"] + owners["bob"])
+        assert alice["why"] == bob["why"] == "3 jobs failed there (preflight_failed)"
