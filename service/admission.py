@@ -129,10 +129,14 @@ def admit(
             for victim_id in victim_ids:
                 victim = by_active[victim_id]
                 session.execute(update(Job).where(col(Job.id) == victim_id).values(preempt_requested_at=now))
+                # The job it yields to is named only to its own owner: another owner's job id is not the victim's
+                # to know (issue 35).
+                blocker = by_id.get(blocked.job_id)
+                mine = blocker is not None and blocker.owner == victim.owner
+                whom = blocked.job_id if mine else "another owner's job"
                 record_event(session, victim_id, kind=EventKind.PREEMPTION, reason="preemption_requested",
                              attempt=victim.attempt, actor=owner,
-                             message=f"making room for {blocked.job_id} "
-                                     f"({why or f'priority {blocked.priority}'})")  # fmt: skip
+                             message=f"making room for {whom} ({why or f'priority {blocked.priority}'})")  # fmt: skip
                 victims.append(victim)
     return started, victims
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
+from sqlmodel import Session, select
 
 from service import attempt_tokens
 from service.models import EndReason, Job, JobState
@@ -194,3 +194,42 @@ def test_8_a_node_kept_out_names_only_the_callers_own_jobs(db: Engine, tmp_path:
         assert sorted(alice["jobs"]) == sorted(owners["alice"]) and bob["jobs"] == owners["bob"]
         assert sorted(ops["jobs"]) == sorted(owners["alice"] + owners["bob"])
         assert alice["why"] == bob["why"] == "3 jobs failed there (preflight_failed)"
+
+
+@pytest.mark.parametrize("same_owner", [False, True])
+def test_8_a_preempted_job_is_told_another_owners_job_id_never(db: Engine, tmp_path: Path, same_owner: bool) -> None:  # noqa: F811
+    """A preemption event named the job it yielded to, another owner's included. Its own owner's job it still names.
+    A real dispatcher on the noop backend (a 2-CPU cluster that each running job fills)."""
+    from service.dispatcher import Dispatcher
+    from service.jobs import Caller, submit
+    from service.models import JobEvent
+    from service.settings import Settings
+    from tests.service.test_poison import Backend, ended, run_until
+
+    backend = Backend(tmp_path / "noop", cpus=2, run_seconds=1.0)
+    backend.held_per_job = 2
+    conf = Settings(database_url="sqlite://", data_dir=tmp_path / "data", storage_uri=str(tmp_path / "ckpt"),
+                    lease_seconds=30, queues={"default": {"preemption": True}}, preemption_grace_seconds=0)  # fmt: skip
+    disp = Dispatcher(engine=db, settings=conf, ray=backend, owner="d1")
+
+    def add(owner: str, priority: int) -> str:
+        spec = JobSpec.model_validate({**SPEC, "resources": {"num_workers": 2}, "priority": priority})
+        with Session(db) as session:
+            job, _ = submit(session, spec, caller=Caller(owner))
+            session.commit()
+            return job.id
+
+    try:
+        victim = add("bob", 0)
+        disp.tick()
+        urgent = add("bob" if same_owner else "alice", 100)
+        run_until(disp, ended(db, victim, urgent))
+    finally:
+        disp._pool.shutdown(wait=True)
+    with Session(db) as session:
+        (told,) = session.exec(select(JobEvent).where(JobEvent.job_id == victim,
+                                                      JobEvent.reason == "preemption_requested")).all()  # fmt: skip
+    if same_owner:
+        assert told.message == f"making room for {urgent} (priority 100)"
+    else:
+        assert told.message == "making room for another owner's job (priority 100)"
