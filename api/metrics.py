@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.deps import get_caller
@@ -76,10 +78,27 @@ def attach(registry: CollectorRegistry, runtime: Runtime) -> DatabaseCollector:
         401: ERROR_RESPONSES[401],
     },
 )
-def metrics(request: Request, _: Annotated[Caller, Depends(get_caller)]) -> Response:
+def metrics(request: Request, caller: Annotated[Caller, Depends(get_caller)]) -> Response:
     """Prometheus metrics: jobs by state and queue, queue wait, admissions, retries, CPU/GPU seconds by owner and
     queue, tick and request latency.
 
-    With API tokens configured, scrape with any valid token (Prometheus `authorization: {credentials: ...}`).
+    With API tokens configured, scrape with any valid token (Prometheus `authorization: {credentials: ...}`). The
+    series labelled by owner are every owner's for an admin token and the caller's own for any other (another
+    owner's usage is theirs, as on /v1/usage: issue 35).
     """
-    return Response(generate_latest(request.app.state.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+    registry = request.app.state.metrics_registry
+    shown = registry if caller.admin else _OwnSeries(registry, caller.owner)
+    return Response(generate_latest(shown), media_type=CONTENT_TYPE_LATEST)  # type: ignore[arg-type]
+
+
+class _OwnSeries:
+    """A registry's metrics less the samples labelled with another owner (what `generate_latest` reads)."""
+
+    def __init__(self, registry: CollectorRegistry, owner: str) -> None:
+        self.registry, self.owner = registry, owner
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.registry.collect():
+            if any("owner" in s.labels for s in metric.samples):
+                metric.samples = [s for s in metric.samples if s.labels.get("owner", self.owner) == self.owner]
+            yield metric

@@ -233,3 +233,22 @@ def test_8_a_preempted_job_is_told_another_owners_job_id_never(db: Engine, tmp_p
         assert told.message == f"making room for {urgent} (priority 100)"
     else:
         assert told.message == "making room for another owner's job (priority 100)"
+
+
+def test_8_metrics_labelled_by_owner_are_the_callers_own_unless_admin(db: Engine, tmp_path: Path) -> None:  # noqa: F811
+    """`/metrics` showed every owner's CPU- and GPU-seconds to any token."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.api.test_usage import _history
+
+    _history(db)  # alice, bob and carol each ran attempts
+    tokens = {ALICE: {"owner": "alice"}, "ops-token": {"owner": "ops", "admin": True}}
+    with live_api(db, tmp_path, api_tokens=tokens) as api:
+
+        def owners(token: str) -> set[str]:
+            text = httpx.get(f"{api.url}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=10).text
+            return {s.labels["owner"] for f in text_string_to_metric_families(text) for s in f.samples
+                    if "owner" in s.labels}  # fmt: skip
+
+        assert owners(ALICE) == {"alice"}
+        assert owners("ops-token") == {"alice", "bob", "carol"}
