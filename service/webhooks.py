@@ -77,7 +77,11 @@ def pinned_address(host: str, port: int, *, allow_private: bool) -> str:
         for address in addresses:
             problem = address_problem(address)
             if problem:
-                raise Refused(f"refused: {host} resolves to {problem}")
+                # The owner reads the error on the notification: it says no more than that the name is refused.
+                # The address it resolved to (an internal machine's) is for the operator's log only (issue 35).
+                log.warning("webhook refused: %s resolves to %s", host, problem)
+                raise Refused(f"refused: {host} resolves to an address that is not public (loopback, private, "
+                              f"link-local or reserved); webhooks are sent to public addresses only")  # fmt: skip
     return addresses[0]
 
 
