@@ -134,6 +134,7 @@ def test_9_the_cli_shows_a_jobs_text_as_text(api: LiveApi) -> None:
         row.name, row.last_error = HOSTILE[:60], HOSTILE
         session.add(row)
         session.commit()
+
     def compact(text: str) -> str:  # a table folds long cells over lines: compare without layout
         return re.sub(r"[\s│┃]", "", text)
 
