@@ -72,12 +72,23 @@ def is_owned_archive(uri: str, settings: Settings, owner: str) -> bool:
     return name.endswith(".zip") and bool(_SHA256.fullmatch(name[: -len(".zip")]))
 
 
-def check_archive(handle: IO[bytes]) -> None:
-    """A readable zip whose members all unpack inside the target folder; InvalidSpec(field='body') otherwise."""
+def check_archive(handle: IO[bytes], *, max_entries: int = 20_000, max_unpacked_bytes: int = 1 << 30) -> None:
+    """A readable zip whose members all unpack inside the target folder, at most `max_entries` of them and
+    `max_unpacked_bytes` in all; InvalidSpec(field='body') otherwise (ArchiveTooLarge, 413, for the bounds).
+
+    The bounds are read from the archive's directory before any member is decompressed; a member that unpacks to
+    more than its directory entry says fails its CRC check (zipfile reads no further than the declared size)."""
     handle.seek(0)
     try:
         with zipfile.ZipFile(handle) as archive:
             members = archive.infolist()
+            if len(members) > max_entries:
+                raise ArchiveTooLarge(f"body: a code archive may hold at most {max_entries} members, this one holds "
+                                      f"{len(members)}", field="body")  # fmt: skip
+            unpacked = sum(m.file_size for m in members)
+            if unpacked > max_unpacked_bytes:
+                raise ArchiveTooLarge(f"body: a code archive may unpack to at most {max_unpacked_bytes} bytes, this "
+                                      f"one to {unpacked}", field="body")  # fmt: skip
             for member in members:
                 name = member.filename
                 parts = PurePosixPath(name).parts

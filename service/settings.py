@@ -112,6 +112,10 @@ class Settings(BaseSettings):
     max_streams_per_caller: int = Field(8, ge=1, description="concurrent follow streams per caller; 429 beyond")
     stream_max_seconds: float = Field(3600.0, gt=0, description="a follow stream ends after this long")
     max_code_bytes: int = Field(100 << 20, ge=1024, description="largest code archive POST /v1/code takes")
+    # What an archive may unpack to: a small deflate bomb or a zip of 200,000 empty entries cost seconds of the API's
+    # CPU to check and a node's disk to unpack (issue 35). Checked on the archive's directory, before a member is read.
+    max_code_unpacked_bytes: int = Field(1 << 30, ge=1024, description="largest total a code archive unpacks to")
+    max_code_entries: int = Field(20_000, ge=1, description="most members a code archive may hold")
 
     # How long Ray may refuse an attempt's submission (e.g. "no agent yet" just after a head starts) before the
     # attempt ends as infra; and how long one job's reconcile may keep failing unexpectedly before that job is ended.

@@ -30,7 +30,8 @@ class CodeUpload(BaseModel):
 
 
 def _store(settings: Settings, owner: str, spool: tempfile.SpooledTemporaryFile[bytes], sha256: str) -> str:
-    code_store.check_archive(spool)
+    code_store.check_archive(spool, max_entries=settings.max_code_entries,
+                             max_unpacked_bytes=settings.max_code_unpacked_bytes)  # fmt: skip
     return code_store.store(settings, owner, spool, sha256)
 
 
@@ -38,7 +39,12 @@ def _store(settings: Settings, owner: str, spool: tempfile.SpooledTemporaryFile[
     "",
     status_code=status.HTTP_201_CREATED,
     response_model=CodeUpload,
-    responses={413: {"description": "larger than SHUNTER_MAX_CODE_BYTES"}},
+    responses={
+        413: {
+            "description": "larger than SHUNTER_MAX_CODE_BYTES, or unpacking to more than "
+            "SHUNTER_MAX_CODE_UNPACKED_BYTES or SHUNTER_MAX_CODE_ENTRIES members"
+        }
+    },
     openapi_extra={"requestBody": ZIP_BODY},
 )
 async def upload_code(request: Request, caller: CallerDep, settings: SettingsDep) -> CodeUpload:
