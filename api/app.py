@@ -16,7 +16,7 @@ from sqlalchemy import text
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
-from api import metrics
+from api import docs, metrics
 from api.deps import RuntimeDep
 from api.limits import BodyLimit
 from api.routes import cluster as cluster_routes
@@ -95,6 +95,8 @@ def create_app(
         version="0.1.0",
         summary="A durable queue in front of Ray Train: submit distributed training jobs, watch them, get them back.",
         lifespan=lifespan,
+        docs_url=None,  # api.docs serves Swagger UI from the package, not a CDN
+        redoc_url=None,
     )
 
     per_path = {
@@ -192,4 +194,5 @@ def create_app(
     app.include_router(metrics.router)
     app.include_router(internal_routes.router)
     ui_routes.install(app)
+    docs.install(app)
     return app

@@ -300,3 +300,22 @@ def test_7_a_code_archive_that_unpacks_too_big_or_too_many_is_refused_unread(db:
         assert r.status_code == 413 and "at most 50 members, this one holds 60" in r.json()["detail"], r.text
         assert httpx.post(f"{api.url}/v1/code", content=fine, headers=headers, timeout=30).status_code == 201
     assert len(list((tmp_path / "storage" / "code").rglob("*.zip"))) == 1  # only the fine one was kept
+
+
+# ---- 10. /docs without a CDN ---------------------------------------------------------------------------------------
+def test_10_the_api_docs_load_nothing_from_another_origin(api: LiveApi) -> None:
+    """`/docs` loaded `swagger-ui-dist@5` from a CDN: no SRI, on the origin where `/ui` keeps its token, and a blank
+    page on an air-gapped cluster. Every script, style and image of the page is now the service's own."""
+    import re as regex
+
+    page = httpx.get(f"{api.url}/docs", timeout=10)
+    assert page.status_code == 200 and "SwaggerUIBundle" in page.text
+    loaded = regex.findall(r"""(?:src|href)\s*=\s*["']([^"']+)["']""", page.text)
+    assert loaded and all(url.startswith("/") and not url.startswith("//") for url in loaded), loaded
+    assert "http://" not in page.text and "https://" not in page.text.replace("https://swagger.io", "")
+    assert "default-src 'none'" in page.headers["content-security-policy"]
+    for url in loaded:
+        asset = httpx.get(f"{api.url}{url}", timeout=10)
+        assert asset.status_code == 200 and len(asset.content) > 100, url
+    assert httpx.get(f"{api.url}/docs/assets/index.html", timeout=10).status_code == 404  # only what the page loads
+    assert httpx.get(f"{api.url}/redoc", timeout=10).status_code == 404  # ReDoc came from a CDN only
