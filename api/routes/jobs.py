@@ -44,7 +44,7 @@ from api.schemas import (
     Position,
 )
 from api.sse import SSE_RESPONSE, event_stream, pause
-from api.streams import DB_UNAVAILABLE, is_database_outage, open_stream, state_of
+from api.streams import DB_UNAVAILABLE, is_database_outage, open_stream, slots_of, state_of
 from service import dependencies, estimate, jobs
 from service.backend import submission_id
 from service.errors import InfraError, NotFound
@@ -292,7 +292,17 @@ def job_logs(
     rows = {a.number: a for a in jobs.attempts(session, job)}
     if number not in rows:
         raise NotFound(f"job {job_id} has no attempt {number}")
-    row = _final_log_awaited(runtime.engine, job.id, rows[number])
+    row = rows[number]
+    if _log_still_coming(row):
+        # A read that may wait never holds a pooled connection while it does (45 of them held every connection of
+        # SQLite's pool, 20 PostgreSQL's, and stalled everyone's requests: issue 35), and takes one of the caller's
+        # stream slots for it, as a follow does (429 beyond `max_streams_per_caller`).
+        session.close()
+        slot = slots_of(request.app).acquire(caller.owner, runtime.settings.max_streams_per_caller)
+        try:
+            row = _final_log_awaited(runtime.engine, job.id, row)
+        finally:
+            slot.release()
     # The path is built from ids, never read from the row: a row's log_uri names no file the API will open.
     stored = open_stored(files.log_path(job.id, number))
     if stored is not None:
@@ -315,12 +325,17 @@ def job_logs(
 LATE_LOG_WAIT_SECONDS = 15.0
 
 
+def _log_still_coming(row: Attempt) -> bool:
+    return row.driver_ended_at is not None and row.ray_status is None
+
+
 def _final_log_awaited(engine: Engine, job_id: str, row: Attempt) -> Attempt:
     """An attempt ended on its driver's word has its whole log kept once its Ray Job exits, seconds later (Ray's
     teardown; worker lines Ray still forwards): a read in between waits for that, up to `LATE_LOG_WAIT_SECONDS`,
-    so that the log of a job seen SUCCEEDED is whole. Past that, what Ray has now."""
+    so that the log of a job seen SUCCEEDED is whole. Past that, what Ray has now. Each look is a short session of
+    its own: nothing is held between them."""
     deadline = time.monotonic() + LATE_LOG_WAIT_SECONDS
-    while row.driver_ended_at is not None and row.ray_status is None and time.monotonic() < deadline:
+    while _log_still_coming(row) and time.monotonic() < deadline:
         time.sleep(0.25)
         _, fresh = _attempt_state(engine, job_id, row.number)
         if fresh is None:

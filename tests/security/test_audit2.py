@@ -4,6 +4,7 @@ internal and public APIs over real HTTP (`tests.live_api`) on SQLite and Postgre
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,8 +33,8 @@ def api(db: Engine, tmp_path: Path) -> Iterator[LiveApi]:  # noqa: F811 - the im
     attempt_tokens.forget_cached_keys()
 
 
-def running_job(engine: Engine, **spec: object) -> str:
-    job = Job(name="j", owner="alice", spec=JobSpec.model_validate({**SPEC, **spec}).model_dump(mode="json"),
+def running_job(engine: Engine, owner: str = "alice", **spec: object) -> str:
+    job = Job(name="j", owner=owner, spec=JobSpec.model_validate({**SPEC, **spec}).model_dump(mode="json"),
               state=JobState.RUNNING, attempt=1)  # fmt: skip
     add_attempt(engine, job)
     return job.id
@@ -319,3 +320,56 @@ def test_10_the_api_docs_load_nothing_from_another_origin(api: LiveApi) -> None:
         assert asset.status_code == 200 and len(asset.content) > 100, url
     assert httpx.get(f"{api.url}/docs/assets/index.html", timeout=10).status_code == 404  # only what the page loads
     assert httpx.get(f"{api.url}/redoc", timeout=10).status_code == 404  # ReDoc came from a CDN only
+
+
+# ---- 2. reads that wait hold no connection, and one caller's are capped ---------------------------------------------
+def test_2_log_reads_that_wait_hold_no_connection_and_are_capped_per_caller(
+    db: Engine,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a driver's last word and before its Ray Job exits, a log read waits (up to 15 s) for the whole log. It
+    slept holding its request's pooled connection: 45 reads stalled another owner's GET /v1/jobs for 29.9 s on
+    SQLite; 20 held all of PostgreSQL's pool. Now a waiting read holds no connection between its looks, and one
+    caller may have `max_streams_per_caller` waiting (429 beyond), while others are served."""
+    import threading
+
+    from sqlalchemy import update
+
+    import api.routes.jobs as job_routes
+    from service.models import Attempt, utcnow
+
+    monkeypatch.setattr(job_routes, "LATE_LOG_WAIT_SECONDS", 6.0)
+    tokens = {ALICE: {"owner": "alice"}, "mallory-token": {"owner": "mallory"}}
+    with live_api(db, tmp_path, api_tokens=tokens, max_streams_per_caller=3) as api:
+        job = running_job(api.engine, owner="mallory")
+        with Session(api.engine) as session:  # the driver said its last word; Ray's end has not come yet
+            ended = {"driver_ended_at": utcnow(), "ended_at": utcnow()}  # (the dispatcher ends it on that word)
+            session.exec(update(Attempt).where(Attempt.job_id == job).values(**ended))  # type: ignore[call-overload]
+            session.commit()
+        answers: list[int] = []
+
+        def read() -> None:
+            r = httpx.get(f"{api.url}/v1/jobs/{job}/logs", headers={"Authorization": "Bearer mallory-token"},
+                          timeout=30)  # fmt: skip
+            answers.append(r.status_code)
+
+        readers = [threading.Thread(target=read) for _ in range(6)]
+        for t in readers:
+            t.start()
+        wait_for_three_refused = time.monotonic() + 5
+        while answers.count(429) < 3 and time.monotonic() < wait_for_three_refused:
+            time.sleep(0.05)
+        assert sorted(answers) == [429, 429, 429], answers  # three wait; three are refused at once
+        held = []
+        for _ in range(20):  # while three reads wait: their looks are short sessions, nothing is held between
+            held.append(api.engine.pool.checkedout())
+            time.sleep(0.05)
+        others = httpx.get(f"{api.url}/v1/jobs", headers={"Authorization": f"Bearer {ALICE}"}, timeout=30)
+        assert others.status_code == 200
+        still_waiting = sum(t.is_alive() for t in readers)
+        for t in readers:
+            t.join()
+    assert min(held) == 0, held
+    assert still_waiting == 3  # alice was answered while they waited, not after
+    assert sorted(answers) == [200, 200, 200, 429, 429, 429]
