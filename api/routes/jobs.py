@@ -293,11 +293,12 @@ def job_logs(
     if number not in rows:
         raise NotFound(f"job {job_id} has no attempt {number}")
     row = rows[number]
+    # Nothing below reads the database through the request's session: it gives its pooled connection back now. A
+    # read that waits (below) or asks Ray never holds one while it does (45 waiting reads held every connection of
+    # SQLite's pool, 20 PostgreSQL's, and stalled everyone's requests: issue 35).
+    session.close()
     if _log_still_coming(row):
-        # A read that may wait never holds a pooled connection while it does (45 of them held every connection of
-        # SQLite's pool, 20 PostgreSQL's, and stalled everyone's requests: issue 35), and takes one of the caller's
-        # stream slots for it, as a follow does (429 beyond `max_streams_per_caller`).
-        session.close()
+        # The wait takes one of the caller's stream slots, as a follow does (429 beyond `max_streams_per_caller`).
         slot = slots_of(request.app).acquire(caller.owner, runtime.settings.max_streams_per_caller)
         try:
             row = _final_log_awaited(runtime.engine, job.id, row)
