@@ -56,6 +56,7 @@ def add_attempt(engine: Engine, job: Job) -> None:
 
 @contextmanager
 def live_api(engine: Engine, tmp_path: Path, *, port: int | None = None, **settings: object) -> Iterator[LiveApi]:
+    settings.setdefault("storage_uri", str(tmp_path / "storage"))  # not ./shunter-data in the working directory
     conf = Settings(database_url=str(engine.url), data_dir=tmp_path / "api-data", **settings)  # type: ignore[arg-type]
     runtime = Runtime(settings=conf, engine=engine, ray=NoopJobs(tmp_path / "noop"))
     port = port or free_port()

@@ -30,7 +30,8 @@ def offline_settings(tmp_path: Path, **overrides: Any) -> Settings:
         ray_address="127.0.0.1:9",
         ray_dashboard_url="http://127.0.0.1:9",
         data_dir=tmp_path / "data",
-        **({"queues": {"default": {}, "gpu": {}, "q1": {}}} | overrides),
+        # Not the default (./shunter-data, relative to the working directory): code uploads landed in the checkout.
+        **({"queues": {"default": {}, "gpu": {}, "q1": {}}, "storage_uri": str(tmp_path / "storage")} | overrides),
     )
 
 
