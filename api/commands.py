@@ -382,7 +382,8 @@ def watch(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None) 
     """Follow a job to its end with a progress bar (step / total, loss, ETA) and its state changes."""
     with _calling(server, token) as c:
         job = c.get(job_id)
-        total = job.spec.get("config", {}).get("total_steps") or job.spec.get("config", {}).get("steps")
+        config = (job.spec or {}).get("config", {})  # (GET /v1/jobs/{id} always has the spec)
+        total = config.get("total_steps") or config.get("steps")
         seen_events = 0
         columns = [TextColumn("[bold]{task.fields[state]}"), BarColumn(), TextColumn("step {task.completed:.0f}"),
                    TextColumn("{task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn()]  # fmt: skip

@@ -68,7 +68,9 @@ class JobPublic(_Out):
     )
     # What the user should know that did not stop the job, e.g. a strategy asked for that the train loop never applied.
     warnings: list[str] = []
-    spec: dict[str, Any]
+    spec: dict[str, Any] | None = Field(
+        None, description="the job's spec: in GET /v1/jobs/{id} and at submission; in a list only with include=spec"
+    )
     sweep_id: str | None = Field(None, description="the sweep this job is a member of (GET /v1/sweeps/{id})")
     sweep_index: int | None = Field(None, description="its index in that sweep")
     waiting_on: int = Field(0, description="dependencies not met yet: the job is not admitted while this is above 0")

@@ -7,7 +7,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, FastAPI, Header, Path, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
@@ -47,7 +47,7 @@ from api.sse import SSE_RESPONSE, event_stream, pause
 from api.streams import DB_UNAVAILABLE, is_database_outage, open_stream, slots_of, state_of
 from service import dependencies, estimate, jobs
 from service.backend import submission_id
-from service.errors import InfraError, NotFound
+from service.errors import InfraError, InvalidSpec, NotFound
 from service.host_files import HostFiles
 from service.models import Attempt, ClusterSnapshot, Job, JobState
 from service.runtime import Runtime
@@ -112,6 +112,9 @@ _EVENTS_AFTER = {
 }
 
 
+SPEC_PAGE = 20  # jobs a page when each comes with its spec
+
+
 @router.get("", response_model=JobList, responses={200: {"description": "a page of jobs", "headers": _EVENTS_AFTER}})
 def list_jobs(
     session: SessionDep,
@@ -126,11 +129,19 @@ def list_jobs(
     positions: Annotated[bool, Query(description="give each queued job its position (the web page asks)")] = False,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(max_length=512)] = None,
+    include: Annotated[
+        Literal["spec"] | None,
+        Query(description=f"`spec`: each job with its spec (at most {SPEC_PAGE} a page); without it `spec` is null"),
+    ] = None,
 ) -> JobList:
     """Jobs, newest first; a queued one with its `position`. Pass `next_cursor` back as `cursor` for the next page.
+    Without `include=spec` the jobs come without their specs (`GET /v1/jobs/{id}` has it): a page of 100 jobs of
+    large specs was 39 MiB (issue 35).
 
     `X-Events-After` is the newest event id when the listing was read: a client that renders this page and then
     follows `/v1/events?after=<it>` misses no change (an event it also saw in the page only repeats a state)."""
+    if include == "spec" and limit > SPEC_PAGE:
+        raise InvalidSpec(f"limit: at most {SPEC_PAGE} jobs a page with include=spec, got {limit}", field="limit")
     before = cursors.decode(cursor) if cursor else None
     # Read before the jobs: every event after it comes through the stream, every one up to it is in the rows.
     response.headers["X-Events-After"] = str(jobs.last_event_id(session))
@@ -148,6 +159,8 @@ def list_jobs(
     page = rows[:limit]
     next_cursor = cursors.encode(page[-1]) if len(rows) > limit else None
     items = [to_public(j, session) for j in page]
+    if include != "spec":
+        items = [j.model_copy(update={"spec": None}) for j in items]
     if positions and any(j.state == JobState.QUEUED for j in items):
         standings = estimate.estimates_nowait(session, settings)  # never the whole forecast inline
         items = [_with_position(j, standings.get(j.id)) if j.state == JobState.QUEUED else j for j in items]

@@ -373,3 +373,20 @@ def test_2_log_reads_that_wait_hold_no_connection_and_are_capped_per_caller(
     assert min(held) == 0, held
     assert still_waiting == 3  # alice was answered while they waited, not after
     assert sorted(answers) == [200, 200, 200, 429, 429, 429]
+
+
+# ---- 3. a list does not multiply specs -------------------------------------------------------------------------------
+def test_3_a_job_list_comes_without_specs_unless_asked_for_a_small_page(api: LiveApi) -> None:
+    """`GET /v1/jobs?limit=100` returned 39 MiB after one large sweep: every item carried its whole spec."""
+    big = {"config": {"blob": "x" * 200_000}}
+    auth = {"Authorization": f"Bearer {ALICE}"}
+    ids = [submit(api, {**SPEC, **big}).json()["id"] for _ in range(3)]
+    plain = httpx.get(f"{api.url}/v1/jobs", params={"limit": 100}, headers=auth, timeout=10)
+    assert plain.status_code == 200 and [j["id"] for j in plain.json()["items"]] == ids[::-1]
+    assert all(j["spec"] is None for j in plain.json()["items"]) and len(plain.content) < 20_000
+    asked = httpx.get(f"{api.url}/v1/jobs", params={"limit": 20, "include": "spec"}, headers=auth, timeout=10)
+    assert [j["spec"]["config"]["blob"] == big["config"]["blob"] for j in asked.json()["items"]] == [True] * 3
+    too_many = httpx.get(f"{api.url}/v1/jobs", params={"limit": 21, "include": "spec"}, headers=auth, timeout=10)
+    assert (too_many.status_code, too_many.json()["field"]) == (422, "limit"), too_many.text
+    one = httpx.get(f"{api.url}/v1/jobs/{ids[0]}", headers=auth, timeout=10).json()
+    assert one["spec"]["config"]["blob"] == big["config"]["blob"]  # the job itself keeps it (the page's spec pane)
