@@ -60,10 +60,17 @@ def uses_multinode(item: pytest.Item) -> bool:
     return bool(MULTINODE_FIXTURES & set(getattr(item, "fixturenames", ())))
 
 
+# The quick tier's longest cases (tens of seconds each, where most take milliseconds): run first, so that neither of
+# xdist's two workers is left with one of them at the end while the other is idle (the tier ended ~1 minute after
+# its other cases, on the fair-share simulation alone).
+LONG_QUICK = ("tests/service/test_fairshare_sim.py", "tests/api/test_fuzz.py::test_openapi_all_checks",
+              "tests/deploy/test_local_head.py")  # fmt: skip
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Multi-node tests after all others (in their order), so the session's 3-node cluster starts once, late, and
-    stays up only while they run."""
-    items.sort(key=uses_multinode)  # stable
+    stays up only while they run; the quick tier's longest cases first."""
+    items.sort(key=lambda item: (uses_multinode(item), not item.nodeid.startswith(LONG_QUICK)))  # stable
 
 
 MULTINODE_PARAMETER = re.compile(r"\b(?:" + "|".join(sorted(MULTINODE_FIXTURES)) + r")\s*:")
