@@ -333,6 +333,14 @@ def active_jobs(session: Session, *, caller: Caller) -> list[Job]:
     return list(session.exec(query.order_by(col(Job.started_at), col(Job.id))).all())
 
 
+def visible_ids(session: Session, job_ids: set[str], *, caller: Caller) -> set[str]:
+    """Those of `job_ids` the caller may see (all, for an admin)."""
+    if caller.admin or not job_ids:
+        return set(job_ids)
+    query = select(Job.id).where(col(Job.id).in_(sorted(job_ids)), Job.owner == caller.owner)
+    return set(session.exec(query).all())
+
+
 def cluster_snapshot(session: Session) -> ClusterSnapshot | None:
     """The dispatcher's latest view of the Ray cluster (None until a dispatcher has reached Ray once)."""
     return session.get(ClusterSnapshot, 1)

@@ -14,6 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
+INT32_MAX = 2**31 - 1  # PostgreSQL's INTEGER: row ids, steps
+
 
 @functools.lru_cache(maxsize=1024)
 def _numeric(annotation: Any) -> bool:

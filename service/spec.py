@@ -33,7 +33,7 @@ from service.dependency_spec import (
 )
 from service.entrypoint import Entrypoint
 from service.notify_spec import MAX_TARGETS, NotifyTarget
-from service.numbers import StrictModel
+from service.numbers import INT32_MAX, StrictModel
 from service.strategy import StrategySpec, check_finite
 
 # Matched with fullmatch: `$` would also accept a trailing newline.
@@ -52,7 +52,7 @@ _MEMORY = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE |
 _CHECKPOINT_ID = re.compile(r"[1-9][0-9]{0,17}")
 # Row ids are 32-bit on PostgreSQL: a larger id named no row, and failed every dispatcher tick with a raw SQL error
 # (NumericValueOutOfRange) before it was refused here (issue 35).
-MAX_ROW_ID = 2**31 - 1
+MAX_ROW_ID = INT32_MAX
 _MEMORY_UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024,

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Path
-from sqlmodel import col, select
 
 from api.deps import CallerDep, SessionDep, SettingsDep
 from api.routes.jobs import to_public
@@ -13,7 +12,7 @@ from api.schemas import ERROR_RESPONSES, ClearedNode, ClusterJob, ClusterPublic,
 from service import exclusion, jobs
 from service.db import begin_write
 from service.errors import Forbidden, NotFound
-from service.models import Job, utcnow
+from service.models import utcnow
 from service.spec import JobSpec
 
 router = APIRouter(prefix="/v1/cluster", tags=["cluster"], responses=ERROR_RESPONSES)
@@ -37,9 +36,7 @@ def cluster(session: SessionDep, caller: CallerDep, settings: SettingsDep) -> Cl
     everyone, _ = exclusion.excluded(session, [], settings.exclusion_rules())
     # Which jobs failed on a node: only the caller's own are named to a non-admin (another owner's job ids told
     # anyone what ran where: issue 35); `why` still counts them all.
-    named = {j for e in everyone.values() for j in e.jobs}
-    if named and not caller.admin:
-        named = set(session.exec(select(Job.id).where(col(Job.id).in_(sorted(named)), Job.owner == caller.owner)).all())
+    named = jobs.visible_ids(session, {j for e in everyone.values() for j in e.jobs}, caller=caller)
     excluded = [ExcludedNode(node_id=e.node_id, address=e.address, why=e.why, jobs=[j for j in e.jobs if j in named],
                              until=e.until) for e in everyone.values()]  # fmt: skip
     if snap is None:

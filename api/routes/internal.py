@@ -21,10 +21,11 @@ from api.schemas import ERROR_RESPONSES
 from service import attempt_tokens, preflight, progress, submission
 from service.errors import Conflict, Forbidden, NotFound, Unauthorized
 from service.models import ACTIVE_STATES, EndReason, Job, JobState
+from service.numbers import INT32_MAX
 
 MAX_BODY_BYTES = 64 * 1024  # enforced while the body is read, by api.limits.BodyLimit (see api/app.py)
 MAX_METRICS = 256
-MAX_STEP = 2**31 - 1  # jobs.step and metrics.step are 32-bit integers on PostgreSQL
+MAX_STEP = INT32_MAX  # jobs.step and metrics.step are 32-bit integers on PostgreSQL
 # What a driver may say about its own end: never preemption, a timeout or a head restart (the dispatcher's own
 # decisions and findings: `reconcile` sees a head restart itself), which would change how the job is retried; a
 # claimed head restart was a retry that did not count, as often as a job cared to claim it (issue 35). Success it
