@@ -38,7 +38,9 @@ import httpx  # noqa: E402 - after the stub above
 
 log = logging.getLogger(__name__)
 TIMEOUT = httpx.Timeout(5.0, connect=2.0)  # short: a report waits for it in the Train controller
-SPEC_TRIES = 5
+# How long an attempt's first call, for its spec, waits for an API that is restarting (a `kill -9` and restart takes
+# several seconds on a loaded machine: a driver that gave up after the 7.5 s it used to wait failed its job).
+SPEC_PATIENCE_SECONDS = 60.0
 TRANSIENT_STATUS = frozenset({500, 502, 503, 504})  # the API restarting, or its database away: try again
 
 
@@ -188,16 +190,7 @@ class AttemptApi:
     def reported(self) -> bool:
         return bool(self._call("GET", "reported")["reported"])
 
-    def spec(self) -> dict[str, Any]:
-        """The job's spec; a passing failure (connection, 5xx) is tried again a few times."""
-        for tries in range(1, SPEC_TRIES + 1):
-            try:
-                return dict(self._call("GET", "spec"))
-            except httpx.HTTPStatusError as exc:
-                if exc.response.status_code < 500 or tries == SPEC_TRIES:
-                    raise
-            except httpx.TransportError:
-                if tries == SPEC_TRIES:
-                    raise
-            time.sleep(0.5 * 2 ** (tries - 1))
-        raise AssertionError("unreachable")
+    def spec(self, *, patience: float = SPEC_PATIENCE_SECONDS) -> dict[str, Any]:
+        """The job's spec. Nothing of an attempt can start without it, so a passing failure (the API restarting: no
+        connection, a 5xx) is tried again for up to `patience` seconds, as long as the attempt's last word waits."""
+        return dict(self._call("GET", "spec", patience=patience))

@@ -3,8 +3,12 @@ moment, are kept while it is away, and arrive in order once it answers; a replay
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
+import httpx
+import pytest
 from ray.train import Checkpoint as RayCheckpoint
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
@@ -138,3 +142,31 @@ def test_news_sent_in_the_background_is_sent_before_the_last_word() -> None:
     in_background(api, lambda a: sent.append("started"), "the next")
     sent_in_background(timeout=30)
     assert sent == ["preflight", "started"]
+
+
+@pytest.mark.parametrize("db", ["sqlite"], indirect=True)  # the wait is the driver's: one database shows it
+def test_an_attempt_waits_for_its_spec_while_the_api_restarts(db: Engine, tmp_path: Path) -> None:
+    """A driver starting while the API is down (a `kill -9` and restart, which took more than 7.5 s on the loaded
+    machine: test_faults' kill test once failed a job so) waits for its spec rather than failing its job."""
+    job = running_job(db)
+    port = free_port()
+    api = AttemptApi(f"http://127.0.0.1:{port}", attempt_tokens.issue(job.id, 1, SECRET), job.id, 1)
+    up, done = threading.Event(), threading.Event()
+
+    def restart_later() -> None:
+        time.sleep(8.0)  # the API is away for longer than the old five tries (7.5 s) waited
+        with live_api(db, tmp_path, port=port, progress_secret=SECRET):
+            up.set()
+            done.wait(60)
+
+    restarting = threading.Thread(target=restart_later, daemon=True)
+    restarting.start()
+    try:
+        started = time.monotonic()
+        assert api.spec()["entrypoint"] == SPEC["entrypoint"]
+        assert up.is_set() and time.monotonic() - started >= 8.0
+    finally:
+        done.set()
+        restarting.join(30)
+    with pytest.raises(httpx.ConnectError):  # with no patience it says the API is away at once, as before
+        api.spec(patience=0)
