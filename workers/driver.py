@@ -128,12 +128,12 @@ def raylet_answers(node: dict, timeout: float = 1.0) -> bool:
 def build_trainer(spec, *, job_id: str, attempt: int, storage: str, api: AttemptApi | None):  # noqa: ANN001, ANN201
     """The TorchTrainer for this attempt (imports torch and Ray Train: worker side only)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
 
     from workers.entrypoint import train_loop_for
     from workers.lean_trainer import trainer_class
     from workers.progress import ProgressCallback
     from workers.storage import filesystem_for
+    from workers.torch_config import torch_config
 
     res = spec.resources
     per_worker = res.per_worker()
@@ -168,7 +168,7 @@ def build_trainer(spec, *, job_id: str, attempt: int, storage: str, api: Attempt
         train_loop_config=loop_config,
         scaling_config=scaling,
         run_config=run_config,
-        torch_config=TorchConfig(backend="nccl" if res.use_gpu else "gloo"),
+        torch_config=torch_config("nccl" if res.use_gpu else "gloo"),
     )
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from workers.stacks import register as register_stack_dump
@@ -28,14 +30,36 @@ def train_loop_for(spec: JobSpec) -> tuple[Callable[[dict[str, Any]], None], dic
     return functools.partial(run_loop, loop=loop, announce=not spec.entrypoint.script, preflight=checks), config
 
 
+@dataclass(frozen=True)
+class UserCallable:
+    """The job's `entrypoint.callable` (`module:attribute`), imported where it runs: on the workers."""
+
+    target: str
+
+    def resolve(self) -> Callable[..., Any]:
+        module_name, _, attr = self.target.partition(":")
+        found: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            found = getattr(found, part)
+        if not callable(found):
+            raise TypeError(f"entrypoint.callable: {self.target} is not callable")
+        return found
+
+
 def run_loop(
-    config: dict[str, Any], *, loop: Callable[..., Any], announce: bool = True, preflight: dict[str, Any] | None = None
+    config: dict[str, Any],
+    *,
+    loop: Callable[..., Any] | UserCallable,
+    announce: bool = True,
+    preflight: dict[str, Any] | None = None,
 ) -> Any:
     """Run the job's own train loop on this worker, after the pre-flight check (`workers.preflight`, when the spec's
     `preflight` is enabled), after rank 0 has reported the checkpoint it resumes from and, with `announce`, that every
     rank's loop has started (RUNNING); the loop is called as Ray Train would call it (with the config when it takes an
     argument). A loop stopped by a drain notice returns `workers.drain.drained`; one that returns on its own then
     says so (`workers.progress.announce_finished`), which is the word the attempt succeeds on."""
+    if isinstance(loop, UserCallable):
+        loop = loop.resolve()  # the job's own code, imported here first (a bad name fails every rank: user_error)
     register_stack_dump()  # SIGUSR1 prints this worker's stacks into the attempt's log (a stall: workers.stacks)
     from workers.drain import NodeDraining, drained
     from workers.progress import announce_finished, announce_started, report_restored
@@ -68,18 +92,18 @@ def _takes_config(loop: Callable[..., Any]) -> bool:
 def _user_loop(spec: JobSpec) -> tuple[Callable[..., Any], dict[str, Any]]:
     entry = spec.entrypoint
     if entry.callable:
-        module_name, _, attr = entry.callable.partition(":")
-        target: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            target = getattr(target, part)
-        if not callable(target):
-            raise TypeError(f"entrypoint.callable: {entry.callable} is not callable")
-        return target, dict(spec.config)
+        module_name = entry.callable.partition(":")[0]
+        # Here, only that the module is there (a missing one fails the attempt at once, before any worker starts);
+        # the workers import it (`UserCallable`), so that neither this driver nor Ray Train's controller imports
+        # the user's code, and torch with it.
+        if importlib.util.find_spec(module_name) is None:
+            raise ModuleNotFoundError(f"entrypoint.callable: no module named {module_name!r}", name=module_name)
+        return UserCallable(entry.callable), dict(spec.config)
     if entry.script:
         from workers.script import run_script
 
         return run_script, {"script": entry.script, "args": list(entry.args), "outputs": list(entry.outputs),
                             "resume_arg": entry.resume_arg}  # fmt: skip
-    from workers.recipes import recipe_loop
+    from workers.recipes import recipe_target
 
-    return recipe_loop(entry.recipe or ""), dict(spec.config)
+    return UserCallable(recipe_target(entry.recipe or "")), dict(spec.config)

@@ -45,10 +45,30 @@ def lean(callbacks: list[Any], *, has_datasets: bool) -> list[Any]:
 
 
 def trainer_class() -> type:
-    """`TorchTrainer` with `lean` applied to its default callbacks (imports Ray Train: worker side only)."""
-    from ray.train.torch import TorchTrainer
+    """Ray Train's `TorchTrainer` with `lean` applied to its default callbacks and its process group set up by
+    `workers.torch_config` (imports Ray Train: worker side only).
 
-    class LeanTorchTrainer(TorchTrainer):
+    Where that set-up is usable, the class is Ray's `DataParallelTrainer` given a `LeanTorchConfig`, which is all that
+    `TorchTrainer` adds to it besides choosing the backend, as here; importing `TorchTrainer` would import torch
+    (`ray.train.v2.torch` imports `ray.train.torch` first), and neither the driver nor the controller needs it."""
+    from workers.torch_config import LeanTorchConfig, torch_config
+
+    default = torch_config()
+    if isinstance(default, LeanTorchConfig):
+        from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer as Base
+    else:  # a Ray that moved what LeanTorchConfig calls: Ray's own TorchTrainer and TorchConfig
+        from ray.train.torch import TorchTrainer as Base
+
+    class LeanTorchTrainer(Base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, torch_config: Any = None, scaling_config: Any = None, **kwargs: Any) -> None:
+            config = torch_config or type(default)()
+            if Base.__name__ == "TorchTrainer":
+                super().__init__(*args, torch_config=config, scaling_config=scaling_config, **kwargs)
+                return
+            if not config.backend:  # as TorchTrainer chooses
+                config.backend = "nccl" if scaling_config is not None and scaling_config.use_gpu else "gloo"
+            super().__init__(*args, backend_config=config, scaling_config=scaling_config, **kwargs)
+
         def _create_default_callbacks(self) -> list[Any]:
             return lean(super()._create_default_callbacks(), has_datasets=bool(self.datasets))
 

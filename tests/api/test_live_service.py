@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow
 SPEC = {
     "name": "mlp-live",
     "entrypoint": {"callable": "examples.mlp:train_loop"},
-    "config": {"total_steps": 30, "checkpoint_every": 10, "report_every": 5},
+    "config": {"total_steps": 30, "checkpoint_every": 10, "report_every": 5, "step_sleep": 0.2},  # RUNNING for 6 s+
     "strategy": {"kind": "ddp"},
     "resources": {"num_workers": 2, "resources_per_worker": {"CPU": 1}},
     "checkpoint": {"keep": 2},
@@ -58,6 +58,24 @@ def secured(tmp_path: Path, ray_head: LocalHead) -> Iterator[Service]:
     stop_leftover_ray_jobs(ray_head)
 
 
+def maps_torch(job_id: str, process: str) -> bool | None:
+    """Whether this job's `process` has torch's library mapped (None: no such process now). `process` is a Ray actor's
+    class (in its process title) or a Python module run with -m (a word of its command line, not a shell's)."""
+    import psutil
+
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            cmdline = proc.info["cmdline"] or []
+            if not (f"ray::{process}" in " ".join(cmdline) or process in cmdline):
+                continue
+            if f"SHUNTER_JOB_ID={job_id}".encode() not in Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0"):
+                continue
+            return "libtorch" in Path(f"/proc/{proc.pid}/maps").read_text()
+        except (OSError, psutil.Error):
+            continue
+    return None
+
+
 def test_job_seen_through_every_view(secured: Service, ray_head: LocalHead) -> None:
     alice, bob, root = (Client(secured.url, token=t) for t in ("tok-alice", "tok-bob", "tok-root"))
     before = samples(alice.prometheus())
@@ -71,6 +89,15 @@ def test_job_seen_through_every_view(secured: Service, ray_head: LocalHead) -> N
     ]
     for t in threads:
         t.start()
+    # Neither the attempt's driver nor Ray Train's controller imports torch (workers.torch_config, and the job's loop
+    # imported on the workers only: workers.entrypoint.UserCallable); its workers do, and the check sees it there.
+    # Looked at once the ranks run (the controller has set up their process group), while the processes live.
+    running = lambda: alice.get(job.id).state != "STARTING"  # noqa: E731
+    wait_for(lambda: running() and maps_torch(job.id, "RayTrainWorker"), timeout=180, what="a worker with torch")
+    for process in ("TrainController", "workers.driver"):
+        found = wait_for(lambda p=process: running() and maps_torch(job.id, p) is not None, timeout=30,
+                         what=f"the attempt's {process} while the job runs")  # fmt: skip
+        assert found and maps_torch(job.id, process) is not True, f"the attempt's {process} imported torch"
     done = alice.wait(job.id, timeout=240)
     for t in threads:
         t.join(timeout=30)

@@ -168,7 +168,6 @@ def with_env(config: dict[str, Any], *, env: dict[str, str]) -> None:
 
 def fit(storage: Path, run_name: str, config: dict[str, Any], env: dict[str, str]) -> Any:
     from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
 
     from workers.lean_trainer import trainer_class
 
@@ -177,7 +176,6 @@ def fit(storage: Path, run_name: str, config: dict[str, Any], env: dict[str, str
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=1, use_gpu=False, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name=run_name, storage_path=str(storage)),
-        torch_config=TorchConfig(backend="gloo"),
     )
     return trainer.fit()
 

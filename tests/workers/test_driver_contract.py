@@ -22,7 +22,6 @@ from workers.entrypoint import train_loop_for
 @pytest.mark.slow
 def test_callable_takes_its_strategy_from_the_job_spec(ray_connected: object, tmp_path: Path) -> None:
     from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
 
     from workers.lean_trainer import trainer_class
 
@@ -49,7 +48,6 @@ def test_callable_takes_its_strategy_from_the_job_spec(ray_connected: object, tm
                 name="from-spec",
                 worker_runtime_env={"env_vars": api.job_env(job.id)},  # no spec: the workers ask the API for it
             ),
-            torch_config=TorchConfig(backend="gloo"),
         ).fit()
     engine.dispose()
     assert result.metrics["step"] == 4
@@ -63,7 +61,6 @@ def test_callable_takes_its_strategy_from_the_job_spec(ray_connected: object, tm
 @pytest.mark.slow
 def test_restarted_worker_group_continues_from_last_checkpoint(ray_connected: object, tmp_path: Path) -> None:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
 
     from tests.workers.loops import strategy_loop
     from workers.lean_trainer import trainer_class
@@ -81,7 +78,6 @@ def test_restarted_worker_group_continues_from_last_checkpoint(ray_connected: ob
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(storage_path=str(tmp_path), name="crash", failure_config=FailureConfig(max_failures=1)),
-        torch_config=TorchConfig(backend="gloo"),
     ).fit()
     assert (tmp_path / "crashed").exists()
     steps = [r["step"] for r in json.loads((tmp_path / "run-records.json").read_text())]

@@ -14,7 +14,6 @@ pytestmark = pytest.mark.slow
 
 def _fit(storage: Path, config: dict[str, object]) -> object:
     from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
 
     from examples.mlp import train_loop
     from workers.lean_trainer import trainer_class
@@ -24,7 +23,6 @@ def _fit(storage: Path, config: dict[str, object]) -> object:
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=1, use_gpu=False, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name="mlp-final-step", storage_path=str(storage)),
-        torch_config=TorchConfig(backend="gloo"),
     )
     return trainer.fit()
 

@@ -48,3 +48,36 @@ def test_a_trainer_given_datasets_keeps_its_dataset_manager(tmp_path: Path) -> N
     ray_own = names(build(TorchTrainer, tmp_path)._create_default_callbacks())
     leaned = names(lean(build(TorchTrainer, tmp_path)._create_default_callbacks(), has_datasets=True))
     assert leaned == [n for n in ray_own if n != "PlacementGroupCleanerCallback"]
+
+
+def test_the_controllers_process_group_config_needs_no_torch(tmp_path: Path) -> None:
+    """What Ray Train's controller unpickles of the attempt's trainer to set up the workers' process group
+    (workers.torch_config) imports no torch; Ray's own TorchConfig does. A Ray that renamed what it calls on the workers
+    fails here (`torch_config` would then fall back to Ray's)."""
+    import subprocess
+    import sys
+
+    from ray import cloudpickle  # what Ray pickles a trainer's parts with
+
+    from workers.torch_config import RAY_TORCH_NAMES, LeanTorchConfig, torch_config
+
+    config = build(trainer_class(), tmp_path).backend_config
+    assert isinstance(config, LeanTorchConfig) and config.backend == "gloo"  # Ray Train's choice without GPUs
+    assert type(torch_config("nccl")) is LeanTorchConfig, RAY_TORCH_NAMES
+    probe = (
+        "import pickle, sys\n"
+        "config = pickle.loads(sys.stdin.buffer.read())\n"
+        "backend = config.backend_cls()\n"
+        "assert config.to_dict() == {'backend': 'gloo', 'init_method': 'env', 'timeout_s': 1800}, config.to_dict()\n"
+        "assert config.framework.name == 'TORCH' and callable(backend.on_start) and config.train_func_context\n"
+        "print('torch' in sys.modules)\n"
+    )
+    cwd = Path(__file__).resolve().parents[2]
+
+    def imports_torch(blob: bytes) -> bool:
+        done = subprocess.run([sys.executable, "-c", probe], input=blob, capture_output=True, cwd=cwd, timeout=120)
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+        return done.stdout.decode().strip() == "True"
+
+    assert not imports_torch(cloudpickle.dumps(config))
+    assert imports_torch(cloudpickle.dumps(build(TorchTrainer, tmp_path).backend_config))  # Ray's own does

@@ -24,7 +24,6 @@ def test_causal_lm_recipe_trains_and_saves_model(
 ) -> None:
     import torch
     from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
     from transformers import AutoModelForCausalLM
 
     from workers.lean_trainer import trainer_class
@@ -54,7 +53,6 @@ def test_causal_lm_recipe_trains_and_saves_model(
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(storage_path=str(storage), name=f"recipe-{name}"),
-        torch_config=TorchConfig(backend="gloo"),
     ).fit()
     assert result.checkpoint is not None
     assert result.metrics["step"] == 6

@@ -214,7 +214,6 @@ def test_half_written_s3_checkpoint_is_refused_by_the_loader(s3: tuple[S3Server,
 
 def _fit(storage: str, name: str, config: dict[str, Any], *, keep: int | None = None) -> Any:
     from ray.train import CheckpointConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
 
     from tests.workers.loops import strategy_loop
     from workers.lean_trainer import trainer_class
@@ -230,7 +229,6 @@ def _fit(storage: str, name: str, config: dict[str, Any], *, keep: int | None = 
             storage_filesystem=filesystem,
             checkpoint_config=CheckpointConfig(num_to_keep=keep),
         ),
-        torch_config=TorchConfig(backend="gloo"),
     )
     return trainer.fit()
 

@@ -44,7 +44,6 @@ RESIZES = {
 
 def fit(tmp_path: Path, name: str, config: dict[str, Any], workers: int = 2) -> Any:
     from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
 
     from tests.workers.loops import strategy_loop
     from workers.lean_trainer import trainer_class
@@ -54,7 +53,6 @@ def fit(tmp_path: Path, name: str, config: dict[str, Any], workers: int = 2) -> 
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(storage_path=str(tmp_path / "storage"), name=name),
-        torch_config=TorchConfig(backend="gloo"),
     )
     return trainer.fit()
 

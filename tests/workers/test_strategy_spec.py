@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from service.spec import JobSpec
 from service.strategy import MixedPrecision, StrategySpec
 from workers.checkpoint import MANIFEST, IncompleteCheckpointError, verify
-from workers.entrypoint import run_loop, train_loop_for
+from workers.entrypoint import UserCallable, run_loop, train_loop_for
 from workers.script import run_script
 from workers.strategies.deepspeed import build_config
 
@@ -145,10 +145,13 @@ def test_train_loop_for_callable_and_script() -> None:
     )
     from examples.gpt2_tiny import train_loop
 
-    # The job's own loop, run by shunter's wrapper (which first reports the checkpoint Ray Train restored, if any).
+    # The job's own loop, run by shunter's wrapper (which first reports the checkpoint Ray Train restored, if any),
+    # and imported by it on the workers: it is named here, not imported (nor torch with it).
     checks = {"enabled": True, "slow_factor": 4.0, "timeout_seconds": 60.0}  # the spec's default pre-flight check
     assert loop.func is run_loop and config == {"steps": 3}
-    assert loop.keywords == {"loop": train_loop, "announce": True, "preflight": checks}
+    assert loop.keywords == {"loop": UserCallable("examples.gpt2_tiny:train_loop"), "announce": True,
+                             "preflight": checks}  # fmt: skip
+    assert loop.keywords["loop"].resolve() is train_loop
     loop, config = train_loop_for(JobSpec.model_validate({"entrypoint": {"script": "x.py", "args": ["--a", "1"]}}))
     assert loop.keywords == {"loop": run_script, "announce": False, "preflight": checks}  # scripts announce themselves
     assert config == {"script": "x.py", "args": ["--a", "1"], "outputs": [], "resume_arg": None}
@@ -168,6 +171,23 @@ def test_the_wrapper_calls_the_loop_as_ray_train_would(monkeypatch: pytest.Monke
     assert run_loop({"a": 4}, loop=lambda config, extra=1: config["a"] + extra) == 5
     assert calls == [{"a": 1}, "no config", ({"a": 3},)]
     assert len(finished) == 4
+
+
+def test_a_bad_callable_fails_where_it_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A missing module fails the driver at once, before any worker starts; a missing or uncallable attribute fails
+    each rank as its loop starts (the workers import the job's code): both are the user's error."""
+    import workers.progress
+
+    with pytest.raises(ModuleNotFoundError, match="no module named 'examples.nope'"):
+        train_loop_for(JobSpec.model_validate({"entrypoint": {"callable": "examples.nope:train_loop"}}))
+    with pytest.raises(ModuleNotFoundError):
+        train_loop_for(JobSpec.model_validate({"entrypoint": {"callable": "nopackage.mod:train_loop"}}))
+    monkeypatch.setattr(workers.progress, "report_restored", lambda: None)  # no Ray Train session here
+    monkeypatch.setattr(workers.progress, "announce_started", lambda **_: None)
+    for target, error in (("examples.mlp:nope", AttributeError), ("examples.mlp:__doc__", TypeError)):
+        loop, config = train_loop_for(JobSpec.model_validate({"entrypoint": {"callable": target}}))
+        with pytest.raises(error):
+            loop(config, preflight=None)
 
 
 def test_checkpoint_without_valid_manifest_is_refused(tmp_path: Path) -> None:

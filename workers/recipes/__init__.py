@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+# recipe name -> its train loop, as an `entrypoint.callable` (imported on the workers: workers.entrypoint.UserCallable)
+RECIPE_LOOPS = {"causal-lm": "workers.recipes.causal_lm:train_loop"}
 
 
-def recipe_loop(name: str) -> Callable[[dict[str, Any]], None]:
-    """The train_loop_per_worker of a built-in recipe."""
-    if name == "causal-lm":
-        from workers.recipes.causal_lm import train_loop
-
-        return train_loop
-    raise ValueError(f"entrypoint.recipe: unknown recipe {name!r}")
+def recipe_target(name: str) -> str:
+    """The `module:attribute` of a built-in recipe's train_loop_per_worker."""
+    try:
+        return RECIPE_LOOPS[name]
+    except KeyError:
+        raise ValueError(f"entrypoint.recipe: unknown recipe {name!r}") from None
