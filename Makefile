@@ -17,7 +17,9 @@ install: $(VENV)/.installed
 demo: install
 	bash deploy/demo.sh
 
-# Two runs: the fast tier (pure, CPU-bound) on both cores with pytest-xdist, then the slow tier (real Ray, real
+# Two runs: the fast tier on three pytest-xdist workers for the two cores (its last minutes are mostly tests that wait
+# on a tick, a timeout or a subprocess: with two workers the CPU was 50-80 % idle then; 6:56 with three, 7:51 with
+# two, on 2026-12-06), then the slow tier (real Ray, real
 # processes) on two lanes: each lane runs whole groups (a module, or every multi-node test: tests/conftest.py), with
 # its own session Ray head. One lane alone left a core idle a quarter of the time (an attempt's start is a chain of
 # single-threaded process starts); the slow tier's waits are bounded by events and generous timeouts, not by the
@@ -29,7 +31,7 @@ LEFT = $$(( (left = $${SHUNTER_TEST_DEADLINE:-$$(( $$(date +%s) + 864000 ))} - $
 test: install
 	$(PY) -m workers.warmup
 	rc=0; \
-	timeout -s INT -k 60 $(LEFT) $(PY) -m pytest -m "not slow" -n 2 $(PYTEST_ARGS) || rc=$$?; \
+	timeout -s INT -k 60 $(LEFT) $(PY) -m pytest -m "not slow" -n 3 $(PYTEST_ARGS) || rc=$$?; \
 	timeout -s INT -k 60 $(LEFT) $(PY) -m pytest -m slow -n 2 --dist loadscope $(PYTEST_ARGS) || rc=$$?; \
 	exit $$rc
 
