@@ -54,7 +54,8 @@ def trainer_class() -> type:
     from workers.torch_config import LeanTorchConfig, torch_config
 
     default = torch_config()
-    if isinstance(default, LeanTorchConfig):
+    lean_config = isinstance(default, LeanTorchConfig)
+    if lean_config:
         from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer as Base
     else:  # a Ray that moved what LeanTorchConfig calls: Ray's own TorchTrainer and TorchConfig
         from ray.train.torch import TorchTrainer as Base
@@ -62,7 +63,7 @@ def trainer_class() -> type:
     class LeanTorchTrainer(Base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, torch_config: Any = None, scaling_config: Any = None, **kwargs: Any) -> None:
             config = torch_config or type(default)()
-            if Base.__name__ == "TorchTrainer":
+            if not lean_config:
                 super().__init__(*args, torch_config=config, scaling_config=scaling_config, **kwargs)
                 return
             if not config.backend:  # as TorchTrainer chooses

@@ -17,7 +17,6 @@ from __future__ import annotations
 import ast
 import functools
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,11 +37,6 @@ def _ray_torch(name: str, /, **kwargs: Any) -> Any:
     return getattr(config, name)(**kwargs)
 
 
-def _set_master(addr: str, port: int) -> None:
-    os.environ["MASTER_ADDR"] = addr
-    os.environ["MASTER_PORT"] = str(port)
-
-
 class _TorchContext:
     """Ray's `TorchConfigContextManager` around the train loop (it sets the rank's CUDA device), made on the worker."""
 
@@ -59,12 +53,12 @@ class LeanTorchBackend(Backend):
 
     def on_start(self, worker_group: Any, backend_config: LeanTorchConfig) -> None:
         import ray
-        from ray.train._internal.utils import get_address_and_port
+        from ray.train._internal.utils import get_address_and_port, update_env_vars
 
         gpus = worker_group.get_resources_per_worker().get("GPU", 0)
         backend = backend_config.backend or ("nccl" if gpus > 0 else "gloo")
         addr, port = worker_group.execute_single(0, get_address_and_port)
-        worker_group.execute(_set_master, addr=addr, port=port)
+        worker_group.execute(update_env_vars, {"MASTER_ADDR": addr, "MASTER_PORT": port})
         worker_group.execute(_ray_torch, "_set_torch_distributed_env_vars")  # LOCAL_RANK and the rest
         size = len(worker_group)
         ray.get([
