@@ -24,12 +24,16 @@ demo: install
 # its own session Ray head. One lane alone left a core idle a quarter of the time (an attempt's start is a chain of
 # single-threaded process starts); the slow tier's waits are bounded by events and generous timeouts, not by the
 # machine being otherwise idle. Both runs always run.
+# compileall: every process the tests start imports shunter's own modules (the API, dispatchers, Ray Job drivers,
+# Ray Train's controllers and workers), and where PYTHONDONTWRITEBYTECODE is set, as on these machines, each of them
+# compiled them again from source: ~0.7 CPU-s more for each `shunter serve` start here (1.9 against 1.2).
 # SHUNTER_TEST_DEADLINE (epoch seconds; .ci/run sets it below CI's own limit): a tier still running then gets
 # SIGINT, so pytest stops with its summary, the test it was in and its slowest tests printed, instead of being cut
 # off by CI with nothing kept. Unset: no limit.
 LEFT = $$(( (left = $${SHUNTER_TEST_DEADLINE:-$$(( $$(date +%s) + 864000 ))} - $$(date +%s)) > 1 ? left : 1 ))
 test: install
 	$(PY) -m workers.warmup
+	$(PY) -m compileall -q -j 0 api service workers examples tests bench
 	rc=0; \
 	timeout -s INT -k 60 $(LEFT) $(PY) -m pytest -m "not slow" -n 3 $(PYTEST_ARGS) || rc=$$?; \
 	timeout -s INT -k 60 $(LEFT) $(PY) -m pytest -m slow -n 2 --dist loadscope $(PYTEST_ARGS) || rc=$$?; \
