@@ -1,4 +1,5 @@
-"""Ray Train's `TorchTrainer` less two helper actors that a shunter attempt never uses.
+"""Ray Train's `TorchTrainer` less three helper processes: two actors that a shunter attempt never uses, and one
+whose work runs as a thread of the controller.
 
 Every `fit()` of Ray Train 2.60 starts, besides its controller and workers, four helper actors, each a Python process
 of its own (about 2 CPU-seconds to start on the 2-core machine, and ~100 MB while it lives). Two of them are of no
@@ -12,10 +13,11 @@ use to an attempt run by shunter:
   controller dies (`fit()` raises). Being detached, the cleaner also outlives the run by up to 12 s while Ray stops its
   monitor thread, so every attempt's Ray Job ended that much later than its training.
 
-The two that stay are the `SynchronizationActor` (the workers' barriers and reports) and the `PreemptionWatcher`
-(node drain notices, which `workers.drain` acts on). Ray's own callback list is kept otherwise as it is, in its order,
-and the callbacks shunter adds come after it as before. If a Ray upgrade moves either class, nothing is dropped and
-the trainer is Ray's own (`tests/workers/test_lean_trainer.py` fails so that the upgrade is noticed).
+The `SynchronizationActor` (the workers' barriers and reports) stays. So does the watch for node drain notices, which
+`workers.drain` acts on, but as a thread of the controller (`workers.drain_watcher`), not the `PreemptionWatcher`
+actor that the controller starts for it. Ray's own callback list is kept otherwise as it is, in its order, and the
+callbacks shunter adds come after it as before. If a Ray upgrade moves any of these classes, nothing is dropped or
+moved and the trainer is Ray's own (`tests/workers/test_lean_trainer.py` fails so that the upgrade is noticed).
 """
 
 from __future__ import annotations
@@ -42,6 +44,17 @@ def lean(callbacks: list[Any], *, has_datasets: bool) -> list[Any]:
     """Ray Train's default callbacks less those whose actors an attempt does not use (datasets kept when given)."""
     unused = unused_callback_types(has_datasets=has_datasets)
     return [cb for cb in callbacks if not isinstance(cb, unused)]
+
+
+def drain_watcher_callback() -> Any:
+    """Ray Train's drain watcher run in the controller's process (`workers.drain_watcher`), or None: the user switched
+    the watcher off, or this Ray moved what it stands on (then Ray's own watcher actor runs, as before)."""
+    try:
+        from workers.drain_watcher import watcher_callback
+    except ImportError as exc:
+        log.warning("Ray Train's drain watcher moved (%s): running it as Ray does, an actor of its own", exc)
+        return None
+    return watcher_callback()
 
 
 def trainer_class() -> type:
@@ -71,6 +84,8 @@ def trainer_class() -> type:
             super().__init__(*args, backend_config=config, scaling_config=scaling_config, **kwargs)
 
         def _create_default_callbacks(self) -> list[Any]:
-            return lean(super()._create_default_callbacks(), has_datasets=bool(self.datasets))
+            callbacks = lean(super()._create_default_callbacks(), has_datasets=bool(self.datasets))
+            watcher = drain_watcher_callback()
+            return callbacks if watcher is None else [*callbacks, watcher]
 
     return LeanTorchTrainer

@@ -125,14 +125,15 @@ def test_job_seen_through_every_view(secured: Service, ray_head: LocalHead) -> N
                     what="the attempt's log kept once Ray's job ended")  # fmt: skip
     assert kept.end_reason == "succeeded"
     assert "done: 30 steps" in (secured.data_dir / "logs" / job.id / "attempt-1.log").read_text()
-    # The attempt's Ray Job started Ray Train's controller, workers and the helpers it uses, and neither helper actor
-    # that an attempt has no use for (workers.lean_trainer): no DatasetManager, no detached PlacementGroupCleaner.
+    # The attempt's Ray Job started Ray Train's controller, workers and the helper it uses, and neither helper actor
+    # that an attempt has no use for (workers.lean_trainer): no DatasetManager, no detached PlacementGroupCleaner; nor
+    # a PreemptionWatcher: its drain watch runs in the controller (workers.drain_watcher; tests/service/test_drain.py).
     from ray.util.state import list_actors
 
     actors = list_actors(address=ray_head.dashboard_url, filters=[("job_id", "=", ray_job["job_id"])], limit=1000)
     classes = {a.class_name for a in actors}
-    assert {"TrainController", "RayTrainWorker", "SynchronizationActor", "PreemptionWatcher"} <= classes, classes
-    assert not classes & {"DatasetManager", "PlacementGroupCleaner"}, classes
+    assert {"TrainController", "RayTrainWorker", "SynchronizationActor"} <= classes, classes
+    assert not classes & {"DatasetManager", "PlacementGroupCleaner", "PreemptionWatcher"}, classes
 
     # Follow-logs ends with the job's last line (from shunter's stored copy of the attempt's log).
     text = "".join(followed)

@@ -1,4 +1,5 @@
-"""The attempt's trainer is Ray Train's own, less the two helper actors an attempt never uses (workers.lean_trainer).
+"""The attempt's trainer is Ray Train's own, less the two helper actors an attempt never uses, and with its drain
+watcher in the controller's process (workers.lean_trainer).
 
 Proven here on Ray's real default callback list, so that a Ray upgrade which renames or moves them fails this test
 instead of quietly bringing the actors back; the end-to-end proof that a real job's Ray Job starts neither actor is in
@@ -36,7 +37,10 @@ def test_the_attempts_trainer_drops_exactly_the_dataset_manager_and_placement_gr
     ray_own = names(build(TorchTrainer, tmp_path)._create_default_callbacks())
     ours = names(build(trainer_class(), tmp_path)._create_default_callbacks())
     assert "DatasetsCallback" in ray_own and "PlacementGroupCleanerCallback" in ray_own
-    assert ours == [n for n in ray_own if n not in ("DatasetsCallback", "PlacementGroupCleanerCallback")]
+    # ... and Ray's drain watcher runs in the controller's process (its actor switched off with Ray's setting).
+    assert ours == [n for n in ray_own if n not in ("DatasetsCallback", "PlacementGroupCleanerCallback")] + [
+        "InControllerPreemptionCallback"
+    ]
     assert {"BackendSetupCallback", "AcceleratorSetupCallback"} <= set(ours)
 
 
@@ -48,6 +52,29 @@ def test_a_trainer_given_datasets_keeps_its_dataset_manager(tmp_path: Path) -> N
     ray_own = names(build(TorchTrainer, tmp_path)._create_default_callbacks())
     leaned = names(lean(build(TorchTrainer, tmp_path)._create_default_callbacks(), has_datasets=True))
     assert leaned == [n for n in ray_own if n != "PlacementGroupCleanerCallback"]
+
+
+def test_the_drain_watcher_runs_in_the_controller_unless_the_user_switched_it_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray's controller adds its own `PreemptionCallback` (a watcher actor) unless RAY_TRAIN_ENABLE_PREEMPTION_WATCHER
+    says no, and passes that setting on from the driver (`get_env_vars_to_propagate`): building the attempt's callbacks
+    sets it off for Ray's and adds the in-controller one; a user's own "off" leaves no watcher at all. The watcher's
+    polling and stopping in the controller's process are proven by tests/service/test_drain.py (a real drain) and
+    tests/api/test_live_service.py (no PreemptionWatcher process)."""
+    from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR, get_env_vars_to_propagate
+
+    import workers.drain_watcher as drain_watcher
+
+    monkeypatch.delenv(ENABLE_PREEMPTION_WATCHER_ENV_VAR, raising=False)
+    monkeypatch.setattr(drain_watcher, "_switched_off_by_us", False)
+    for _ in range(2):  # a second run in the same process keeps it (the setting is then shunter's own "off")
+        callbacks = names(build(trainer_class(), tmp_path)._create_default_callbacks())
+        assert callbacks[-1] == "InControllerPreemptionCallback"
+        assert get_env_vars_to_propagate()[ENABLE_PREEMPTION_WATCHER_ENV_VAR] == "0"
+    monkeypatch.setattr(drain_watcher, "_switched_off_by_us", False)
+    monkeypatch.setenv(ENABLE_PREEMPTION_WATCHER_ENV_VAR, "false")  # the user's
+    assert "InControllerPreemptionCallback" not in names(build(trainer_class(), tmp_path)._create_default_callbacks())
 
 
 def test_the_controllers_process_group_config_needs_no_torch(tmp_path: Path) -> None:
