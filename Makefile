@@ -19,7 +19,10 @@ demo: install
 
 # Two runs: the fast tier on three pytest-xdist workers for the two cores (its last minutes are mostly tests that wait
 # on a tick, a timeout or a subprocess: with two workers the CPU was 50-80 % idle then; 6:56 with three, 7:51 with
-# two, on 2026-12-06), then the slow tier (real Ray, real
+# two, on 2026-12-06), handed out one case at a time (--maxschedchunk 1) in the order tests/conftest.py gives
+# (longest and heaviest first): xdist's default first hands each worker a quarter of its share in one block, so one
+# worker got every long case while the others ran out of work (8:11-8:52 so; 6:35 one at a time), then the slow
+# tier (real Ray, real
 # processes) on two lanes: each lane runs whole groups (a module, or every multi-node test: tests/conftest.py), with
 # its own session Ray head. One lane alone left a core idle a quarter of the time (an attempt's start is a chain of
 # single-threaded process starts); the slow tier's waits are bounded by events and generous timeouts, not by the
@@ -35,7 +38,7 @@ test: install
 	$(PY) -m workers.warmup
 	$(PY) -m compileall -q -j 0 api service workers examples tests bench
 	rc=0; \
-	timeout -s INT -k 60 $(LEFT) $(PY) -m pytest -m "not slow" -n 3 $(PYTEST_ARGS) || rc=$$?; \
+	timeout -s INT -k 60 $(LEFT) $(PY) -m pytest -m "not slow" -n 3 --maxschedchunk 1 $(PYTEST_ARGS) || rc=$$?; \
 	timeout -s INT -k 60 $(LEFT) $(PY) -m pytest -m slow -n 2 --dist loadscope $(PYTEST_ARGS) || rc=$$?; \
 	exit $$rc
 

@@ -60,17 +60,36 @@ def uses_multinode(item: pytest.Item) -> bool:
     return bool(MULTINODE_FIXTURES & set(getattr(item, "fixturenames", ())))
 
 
-# The quick tier's longest cases (tens of seconds each, where most take milliseconds): run first, so that neither of
-# xdist's two workers is left with one of them at the end while the other is idle (the tier ended ~1 minute after
-# its other cases, on the fair-share simulation alone).
+# The quick tier's longest cases (tens of seconds each, where most take milliseconds): run first, so that no xdist
+# worker is left with one of them at the end while the others are idle (the tier ended ~1 minute after its other
+# cases, on the fair-share simulation alone).
 LONG_QUICK = ("tests/service/test_fairshare_sim.py", "tests/api/test_fuzz.py::test_openapi_all_checks",
               "tests/deploy/test_local_head.py")  # fmt: skip
+# Then the quick tier's modules whose cases add up to 10 s or more (the seconds of a run here with -n 3, 2026-12-06),
+# heaviest first, and the thousands of millisecond cases last: in collection order the tier ended on
+# tests/workers/ (hf_callback, preflight: torchrun and subprocess cases of 5-10 s each), with the other workers idle
+# for its last ~2 minutes. A module not named here keeps its place after these.
+HEAVY_QUICK = ("tests/service/test_tenancy.py", "tests/service/test_spec_roundtrip.py",
+               "tests/workers/test_hf_callback.py", "tests/service/test_notify.py", "tests/security/test_audit2.py",
+               "tests/service/test_progress_delivery.py", "tests/service/test_progress_credential.py",
+               "tests/workers/test_preflight.py", "tests/service/test_state.py", "tests/api/test_stream_bounds.py",
+               "tests/service/test_signals.py", "tests/service/test_poison.py", "tests/ui/test_pages.py",
+               "tests/service/test_sweeps.py", "tests/service/test_dependencies.py", "tests/api/test_usage.py",
+               "tests/service/test_restored_checkpoint.py")  # fmt: skip
+
+
+def quick_rank(nodeid: str) -> int:
+    """Where a case goes in the run: the longest first (0), then the heavy modules in their order, then the rest."""
+    if nodeid.startswith(LONG_QUICK):
+        return 0
+    module = nodeid.split("::", 1)[0]
+    return 1 + HEAVY_QUICK.index(module) if module in HEAVY_QUICK else 1 + len(HEAVY_QUICK)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Multi-node tests after all others (in their order), so the session's 3-node cluster starts once, late, and
-    stays up only while they run; the quick tier's longest cases first."""
-    items.sort(key=lambda item: (uses_multinode(item), not item.nodeid.startswith(LONG_QUICK)))  # stable
+    stays up only while they run; in the quick tier, the longest cases and heaviest modules first."""
+    items.sort(key=lambda item: (uses_multinode(item), quick_rank(item.nodeid)))  # stable
 
 
 MULTINODE_PARAMETER = re.compile(r"\b(?:" + "|".join(sorted(MULTINODE_FIXTURES)) + r")\s*:")
