@@ -14,6 +14,7 @@ tier needs none of them (the device machine has none).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.abc
 import json
 import os
@@ -216,39 +217,47 @@ def run_recipe_case(name: str, phase: str, run_dir: Path) -> dict[str, Any]:
     return {"losses": losses, "times": times, "checks": {"steps": steps[:2] + steps[-1:]}, "steps": steps[-1]}
 
 
-def worker(name: str, phase: str, run_dir: Path, block_ray: bool) -> int:
+def worker(names: list[str], phase: str, run_dir: Path, block_ray: bool) -> int:
+    """Run each case's `phase` in turn in this rank's process (one case: as the tier runs them; several: `--together`,
+    sharing the process group, the imports and the torchrun start), each in `run_dir/<case>`; rank 0 writes each
+    case's result there. A case that fails does not stop the next one."""
     if block_ray:
         sys.meta_path.insert(0, _Refuse())
     sys.path.insert(0, str(ROOT))
-    result: dict[str, Any] = {"name": name, "phase": phase, "passed": False}
     rank = int(os.environ.get("RANK", "0"))
-    try:
-        import torch
+    passed = True
+    for name in names:
+        result: dict[str, Any] = {"name": name, "phase": phase, "passed": False}
+        case_dir = run_dir / name
+        try:
+            import torch
 
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        strategy = CASES[name][2]
-        if strategy is not None:
-            outcome = run_strategy_case(name, phase, run_dir, strategy)
-        else:
-            outcome = run_recipe_case(name, phase, run_dir)
-        result.update(outcome)
-        result["passed"] = True
-        if torch.cuda.is_available():
-            result["peak_gpu_mem_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-    except BaseException as error:  # noqa: BLE001 - every failure becomes the case's result
-        result["error"] = "".join(traceback.format_exception(error))[-4000:]
-        print(f"[gpu tier] rank {rank}: {result['error']}", file=sys.stderr, flush=True)
-    if rank == 0:
-        (run_dir / f"result-{phase}.json").write_text(json.dumps(result, default=str))
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            strategy = CASES[name][2]
+            if strategy is not None:
+                outcome = run_strategy_case(name, phase, case_dir, strategy)
+            else:
+                outcome = run_recipe_case(name, phase, case_dir)
+            result.update(outcome)
+            result["passed"] = True
+            if torch.cuda.is_available():
+                result["peak_gpu_mem_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        except BaseException as error:  # noqa: BLE001 - every failure becomes the case's result
+            result["error"] = "".join(traceback.format_exception(error))[-4000:]
+            print(f"[gpu tier] rank {rank}, {name}: {result['error']}", file=sys.stderr, flush=True)
+        passed = passed and result["passed"]
+        if rank == 0:
+            case_dir.mkdir(parents=True, exist_ok=True)
+            (case_dir / f"result-{phase}.json").write_text(json.dumps(result, default=str))
     try:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
-    except Exception:  # noqa: BLE001, S110 - the result is written; a teardown error changes nothing
+    except Exception:  # noqa: BLE001, S110 - the results are written; a teardown error changes nothing
         pass
-    return 0 if result["passed"] else 1
+    return 0 if passed else 1
 
 
 # ---- the HF Trainer case: the example script exactly as a user runs it -------------------------------------------
@@ -311,72 +320,124 @@ def resumed_at(log: Path) -> int | None:
 # ---- the driver side: every case, two torchruns each, one JSON --------------------------------------------------
 
 
-def _torchrun(command: list[str], nproc: int, env: dict[str, str], log: Path) -> int:
+def _torchrun(command: list[str], nproc: int, env: dict[str, str], log: Path, timeout: float = CASE_TIMEOUT_S) -> int:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     args = command[1:] if command[0] == "python" else command
     with log.open("w") as out:
         try:
             return subprocess.run([*launcher, *args], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  timeout=CASE_TIMEOUT_S, cwd=ROOT, check=False).returncode  # fmt: skip
+                                  timeout=timeout, cwd=ROOT, check=False).returncode  # fmt: skip
         except subprocess.TimeoutExpired:
-            out.write(f"\n[gpu tier] timed out after {CASE_TIMEOUT_S} s\n")
+            out.write(f"\n[gpu tier] timed out after {timeout:.0f} s\n")
             return 124
 
 
 def run_case(name: str, nproc: int, device: str, block_ray: bool, keep: Path | None) -> dict[str, Any]:
-    what, needs_gpu, _ = CASES[name]
-    case: dict[str, Any] = {"name": name, "what": what}
-    if needs_gpu and device != "cuda":
-        return {**case, "passed": False, "skipped": "needs a GPU"}
-    run_dir = Path(tempfile.mkdtemp(prefix=f"gpu-tier-{name}-"))
+    """One case, in torchruns of its own."""
+    return run_cases([name], nproc, device, block_ray, keep)[0]
+
+
+def run_cases(names: list[str], nproc: int, device: str, block_ray: bool, keep: Path | None) -> list[dict[str, Any]]:
+    """Cases that share their torchruns: one per phase, each rank running the cases in turn (`worker`). Each case still
+    resumes in a fresh process, its own checkpoint, at its own step. The HF Trainer cases run their script: one
+    each."""
+    results: dict[str, dict[str, Any]] = {}
+    together = []
+    for name in names:
+        if CASES[name][1] and device != "cuda":
+            results[name] = {"name": name, "what": CASES[name][0], "passed": False, "skipped": "needs a GPU"}
+        elif name.startswith("hf_trainer"):
+            results[name] = _run_hf_case(name, nproc, device, keep)
+        else:
+            together.append(name)
+    if together:
+        results.update(_run_shared(together, nproc, device, block_ray, keep))
+    return [results[name] for name in names]
+
+
+def _case_env(device: str) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(":"),
            "PYTHONUNBUFFERED": "1"}  # fmt: skip
     if device != "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def _run_hf_case(name: str, nproc: int, device: str, keep: Path | None) -> dict[str, Any]:
+    run_dir = Path(tempfile.mkdtemp(prefix=f"gpu-tier-{name}-"))
     started = time.monotonic()
     try:
-        if name.startswith("hf_trainer"):
-            outcome = hf_trainer_case(run_dir, nproc, env, cpu=name.endswith("_cpu"))
-        else:
-            outcome = {}
-            for phase in ("first", "resume"):
-                flags = [str(Path(__file__).resolve()), "--worker", name, phase, str(run_dir)]
-                code = _torchrun(["python", *flags, *(["--block-ray"] if block_ray else [])], nproc, env,
-                                 run_dir / f"{phase}.log")  # fmt: skip
-                written = run_dir / f"result-{phase}.json"
-                outcome = json.loads(written.read_text()) if written.exists() else {"passed": False}
-                if code != 0 or not outcome.get("passed"):
-                    outcome.setdefault("error", f"exit {code}")
-                    outcome["error"] = f"{phase}: {outcome['error']}\n{(run_dir / f'{phase}.log').read_text()[-3000:]}"
-                    break
-                if phase == "first":
-                    first_losses = outcome.get("losses") or []
-            else:
-                losses = outcome.get("losses") or []
-                start, end = _mean(first_losses[:3]), _mean(losses[-3:])
-                outcome["loss_first"], outcome["loss_last"] = start, end
-                if start is None or end is None or not end < start:
-                    outcome["passed"] = False
-                    outcome["error"] = f"the loss did not fall: {start} at the first steps, {end} at the last"
-        times = outcome.get("times") or []
-        if outcome.get("loss_first") is None and outcome.get("losses"):
-            outcome["loss_last"] = _mean(outcome["losses"][-3:])
-        return {
-            **case,
-            "passed": bool(outcome.get("passed")),
-            "step_ms": round(statistics.median(times[2:] or times) * 1000, 2) if times else None,
-            "peak_gpu_mem_mb": outcome.get("peak_gpu_mem_mb"),
-            "loss_first": outcome.get("loss_first"),
-            "loss_last": outcome.get("loss_last"),
-            "checks": outcome.get("checks"),
-            "seconds": round(time.monotonic() - started, 1),
-            **({"error": outcome["error"]} if outcome.get("error") else {}),
-        }
+        outcome = hf_trainer_case(run_dir, nproc, _case_env(device), cpu=name.endswith("_cpu"))
+        return _result(name, outcome, time.monotonic() - started)
     finally:
-        if keep is not None:
-            shutil.copytree(run_dir, keep / name, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.pt", "*.bin",
-                            "*.safetensors", "global_step*", "checkpoint-*", "model"))  # fmt: skip
+        _keep(run_dir, keep, name)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _run_shared(names: list[str], nproc: int, device: str, block_ray: bool, keep: Path | None) -> dict[str, Any]:
+    run_dir = Path(tempfile.mkdtemp(prefix="gpu-tier-"))
+    env = _case_env(device)
+    started = time.monotonic()
+    outcomes: dict[str, dict[str, Any]] = {name: {} for name in names}
+    first_losses: dict[str, list[float]] = {}
+    try:
+        for phase in ("first", "resume"):
+            running = [n for n in names if phase == "first" or outcomes[n].get("passed")]
+            if not running:
+                break
+            flags = [str(Path(__file__).resolve()), "--worker", ",".join(running), phase, str(run_dir)]
+            log = run_dir / f"{phase}.log"
+            code = _torchrun(["python", *flags, *(["--block-ray"] if block_ray else [])], nproc, env, log,
+                             timeout=CASE_TIMEOUT_S * len(running))  # fmt: skip
+            for name in running:
+                written = run_dir / name / f"result-{phase}.json"
+                outcome = json.loads(written.read_text()) if written.exists() else {"passed": False}
+                if not outcome.get("passed"):
+                    outcome.setdefault("error", f"exit {code}")
+                    outcome["error"] = f"{phase}: {outcome['error']}\n{log.read_text()[-3000:]}"
+                elif phase == "first":
+                    first_losses[name] = outcome.get("losses") or []
+                else:
+                    start, end = _mean(first_losses[name][:3]), _mean((outcome.get("losses") or [])[-3:])
+                    outcome["loss_first"], outcome["loss_last"] = start, end
+                    if start is None or end is None or not end < start:
+                        outcome["passed"] = False
+                        outcome["error"] = f"the loss did not fall: {start} at the first steps, {end} at the last"
+                outcomes[name] = outcome
+        seconds = (time.monotonic() - started) / len(names)  # shared: each case's part of the whole
+        return {name: _result(name, outcomes[name], seconds) for name in names}
+    finally:
+        for name in names:
+            _keep(run_dir / name, keep, name)
+        if keep is not None:
+            for phase in ("first", "resume"):
+                with contextlib.suppress(OSError):
+                    shutil.copy(run_dir / f"{phase}.log", keep / f"{'-'.join(names)}-{phase}.log")
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _result(name: str, outcome: dict[str, Any], seconds: float) -> dict[str, Any]:
+    times = outcome.get("times") or []
+    if outcome.get("loss_first") is None and outcome.get("losses"):
+        outcome["loss_last"] = _mean(outcome["losses"][-3:])
+    return {
+        "name": name,
+        "what": CASES[name][0],
+        "passed": bool(outcome.get("passed")),
+        "step_ms": round(statistics.median(times[2:] or times) * 1000, 2) if times else None,
+        "peak_gpu_mem_mb": outcome.get("peak_gpu_mem_mb"),
+        "loss_first": outcome.get("loss_first"),
+        "loss_last": outcome.get("loss_last"),
+        "checks": outcome.get("checks"),
+        "seconds": round(seconds, 1),
+        **({"error": outcome["error"]} if outcome.get("error") else {}),
+    }
+
+
+def _keep(run_dir: Path, keep: Path | None, name: str) -> None:
+    if keep is not None and run_dir.exists():
+        shutil.copytree(run_dir, keep / name, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.pt", "*.bin",
+                        "*.safetensors", "global_step*", "checkpoint-*", "model"))  # fmt: skip
 
 
 def _mean(values: list[float]) -> float | None:
@@ -398,7 +459,13 @@ def environment() -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--worker", nargs=3, metavar=("CASE", "PHASE", "RUN_DIR"))
+    parser.add_argument("--worker", nargs=3, metavar=("CASES", "PHASE", "RUN_DIR"), help="comma-separated cases")
+    parser.add_argument(
+        "--together",
+        action="store_true",
+        help="the cases share their torchruns, one per phase "
+        "(a torchrun's start is most of a case's time); default: each case its own two",
+    )
     parser.add_argument("--block-ray", action="store_true", help="refuse to import Ray and the server packages")
     parser.add_argument("--only", help="comma-separated case names (default: all)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
@@ -408,8 +475,8 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=None, help="start no case after this many seconds")
     args = parser.parse_args()
     if args.worker:
-        name, phase, run_dir = args.worker
-        return worker(name, phase, Path(run_dir), args.block_ray)
+        cases, phase, run_dir = args.worker
+        return worker(cases.split(","), phase, Path(run_dir), args.block_ray)
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -423,24 +490,19 @@ def main() -> int:
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
-    for name in names:
+    batches = [names] if args.together else [[name] for name in names]
+    for batch in batches:
         if args.budget_s is not None and time.monotonic() - began > args.budget_s:
-            report["cases"].append(
-                {
-                    "name": name,
-                    "what": CASES[name][0],
-                    "passed": False,
-                    "skipped": f"out of time: the run's budget of {args.budget_s:.0f} s was spent",
-                }
-            )
+            spent = f"out of time: the run's budget of {args.budget_s:.0f} s was spent"
+            report["cases"] += [{"name": n, "what": CASES[n][0], "passed": False, "skipped": spent} for n in batch]
             continue
-        case = run_case(name, args.nproc, device, args.block_ray, args.keep)
-        report["cases"].append(case)
-        mark = "skip" if case.get("skipped") else ("PASS" if case["passed"] else "FAIL")
-        print(f"[gpu tier] {mark} {name}: {case.get('step_ms')} ms/step, {case.get('peak_gpu_mem_mb')} MiB peak, "
-              f"loss {case.get('loss_first')} -> {case.get('loss_last')} ({case.get('seconds')} s)"
-              + (f"\n{case['error']}" if case.get("error") else ""), flush=True)  # fmt: skip
-        if args.out:  # written after each case: a run cut short still says what it had
+        for case in run_cases(batch, args.nproc, device, args.block_ray, args.keep):
+            report["cases"].append(case)
+            mark = "skip" if case.get("skipped") else ("PASS" if case["passed"] else "FAIL")
+            print(f"[gpu tier] {mark} {case['name']}: {case.get('step_ms')} ms/step, {case.get('peak_gpu_mem_mb')} "
+                  f"MiB peak, loss {case.get('loss_first')} -> {case.get('loss_last')} ({case.get('seconds')} s)"
+                  + (f"\n{case['error']}" if case.get("error") else ""), flush=True)  # fmt: skip
+        if args.out:  # written after each case (or batch): a run cut short still says what it had
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(report, indent=2) + "\n")
     ran = [c for c in report["cases"] if not c.get("skipped")]

@@ -29,8 +29,10 @@ def _tier(tmp_path: Path, *args: str) -> tuple[int, dict]:
 def test_strategies_train_checkpoint_and_resume_under_torchrun_without_ray(tmp_path: Path) -> None:
     """DDP, FSDP2 and ZeRO-3 from the guide's config (the causal-lm recipe) at two ranks on gloo, with Ray and the
     server packages refused at import: each trains, checkpoints, resumes in a fresh torchrun at its step, and learns."""
+    # --together: the three share one torchrun per phase (six torchruns of two ranks were 178 s of a slow-tier lane);
+    # each still resumes in a fresh process from its own checkpoint.
     code, report = _tier(tmp_path, "--only", "ddp,fsdp2,zero3_reference_cpu", "--device", "cpu", "--nproc", "2",
-                         "--block-ray")  # fmt: skip
+                         "--block-ray", "--together")  # fmt: skip
     by_name = {c["name"]: c for c in report["cases"]}
     for name, case in by_name.items():
         assert case["passed"], f"{name}: {case.get('error')}"
