@@ -77,6 +77,21 @@ def test_the_drain_watcher_runs_in_the_controller_unless_the_user_switched_it_of
     assert "InControllerPreemptionCallback" not in names(build(trainer_class(), tmp_path)._create_default_callbacks())
 
 
+def test_the_in_controller_watcher_stops_its_thread_when_asked() -> None:
+    """What `InControllerPreemptionCallback._stop_watcher` stands on: Ray's watcher polls in a thread that waits on
+    `_stop_event` between polls, so setting it ends the thread at once (a Ray that renamed it fails here)."""
+    from ray.train.v2._internal.execution.preemption import PreemptionWatcher
+
+    from workers.drain_watcher import InControllerPreemptionCallback
+
+    callback = InControllerPreemptionCallback()
+    callback._watcher = watcher = PreemptionWatcher(node_to_ranks={}, poll_interval_s=600)
+    assert watcher._monitor_thread.is_alive()
+    callback._stop_watcher()
+    watcher._monitor_thread.join(timeout=30)
+    assert not watcher._monitor_thread.is_alive() and callback._watcher is None
+
+
 def test_the_controllers_process_group_config_needs_no_torch(tmp_path: Path) -> None:
     """What Ray Train's controller unpickles of the attempt's trainer to set up the workers' process group
     (workers.torch_config) imports no torch; Ray's own TorchConfig does. A Ray that renamed what it calls on the workers
