@@ -21,9 +21,8 @@ demo: install
 # on a tick, a timeout or a subprocess: with two workers the CPU was 50-80 % idle then; 6:56 with three, 7:51 with
 # two, on 2026-12-06), handed out one case at a time (--maxschedchunk 1) in the order tests/conftest.py gives
 # (longest and heaviest first): xdist's default first hands each worker a quarter of its share in one block, so one
-# worker got every long case while the others ran out of work (8:11-8:52 so; 6:35 one at a time), then the slow
-# tier (real Ray, real
-# processes) on two lanes: each lane runs whole groups (a module, or every multi-node test: tests/conftest.py), with
+# worker got every long case while the others ran out of work (8:11-8:52 so; 6:35 one at a time). Then the slow
+# tier (real Ray, real processes) on two lanes: each lane runs whole groups (a module, or every multi-node test: tests/conftest.py), with
 # its own session Ray head. One lane alone left a core idle a quarter of the time (an attempt's start is a chain of
 # single-threaded process starts); the slow tier's waits are bounded by events and generous timeouts, not by the
 # machine being otherwise idle. Both runs always run.

@@ -392,6 +392,8 @@ def _run_shared(names: list[str], nproc: int, device: str, block_ray: bool, keep
             for name in running:
                 written = run_dir / name / f"result-{phase}.json"
                 outcome = json.loads(written.read_text()) if written.exists() else {"passed": False}
+                if code != 0 and outcome.get("passed"):  # another rank failed: only rank 0 writes, so none passes
+                    outcome.update(passed=False, error=f"exit {code}: a rank failed")
                 if not outcome.get("passed"):
                     outcome.setdefault("error", f"exit {code}")
                     outcome["error"] = f"{phase}: {outcome['error']}\n{log.read_text()[-3000:]}"
