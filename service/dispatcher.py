@@ -75,6 +75,7 @@ class Dispatcher(Finishing, HostEffects):
         self._faults: dict[str, float] = {}  # job id -> when its reconcile first failed unexpectedly (monotonic)
         self._pool = ThreadPoolExecutor(max_workers=settings.dispatcher_threads, thread_name_prefix="reconcile")
         self.last_tick_seconds = 0.0
+        self._next_sweep = 0.0  # when to look for placement groups Ray left held (monotonic; `sweep_placement_groups`)
         self._dead_nodes: dict[str, bool] = {}  # from the last cluster read (service.reconcile.decide)
         self.nodes = NodeHistory()  # which nodes went draining or dead, and when (bears out node_draining ends)
         self.late = LateLogs(engine=engine, ray=ray, files=self.files, owner=owner,
@@ -138,6 +139,8 @@ class Dispatcher(Finishing, HostEffects):
         if cluster is not None:
             self.admit(cluster)
         self.late.step(self._pool.map)  # logs of attempts ended on their driver's word, once Ray's job has exited
+        if cluster is not None:
+            self.sweep_placement_groups()
         if not self._warm:
             # The Ray Jobs client is made after the first tick, not inside the first submission (importing it and
             # Ray's version check take a few hundred ms); on this thread, as the tick's own imports of Ray are: a
@@ -190,6 +193,19 @@ class Dispatcher(Finishing, HostEffects):
                 log.warning("cannot store the cluster snapshot: %s", exc)
                 break
         return cluster
+
+    def sweep_placement_groups(self) -> None:
+        """Every `placement_group_sweep_seconds`, have the backend remove the placement groups Ray left held for
+        ended jobs (`RayJobs.free_orphaned_placement_groups`; a backend without the need has no such method). Any
+        dispatcher may do it for the whole cluster: what it removes belongs to no live job."""
+        sweep = getattr(self.ray, "free_orphaned_placement_groups", None)
+        if sweep is None or time.monotonic() < self._next_sweep:
+            return
+        self._next_sweep = time.monotonic() + self.settings.placement_group_sweep_seconds
+        try:
+            sweep()
+        except Exception as exc:  # noqa: BLE001 - the GCS's own errors; the next sweep tries again
+            log.warning("cannot sweep Ray's placement groups: %s", exc)
 
     def _store_snapshot(self, cluster: ClusterView) -> None:
         with session_scope(self.engine) as session:

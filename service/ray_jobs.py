@@ -11,6 +11,8 @@ import logging
 import os
 import shlex
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,31 @@ def ray_auth_headers() -> dict[str, str]:
     if not token and path.exists():
         token = path.read_text().strip()
     return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+@dataclass(frozen=True)
+class PlacementGroupFacts:
+    """What the GCS says of one placement group (ids in hex; `actor_id` None when a driver, not an actor, made it)."""
+
+    pg_id: str
+    job_id: str
+    actor_id: str | None
+    detached: bool
+    removed: bool
+    resources: dict[str, float]
+
+
+def orphaned(groups: Iterable[PlacementGroupFacts], *, dead_jobs: set[str], dead_actors: set[str]) -> list[str]:
+    """The placement groups whose lifetime is over by Ray's own rule, though Ray still holds them: not detached, made
+    by a job that has ended, and (when an actor made it) by an actor that is dead too.
+
+    Ray removes such a group when its job ends, or when its creator actor dies after the job ended. A group that the
+    job's last actor registers while the GCS is already destroying that actor (a run stopped while Ray Train's
+    controller was restarting its worker group: seen on Ray 2.60) is past both moments, and Ray then holds its
+    resources for as long as the cluster lives, which leaves every later job that needs them queued for ever."""
+    return [g.pg_id for g in groups
+            if not g.detached and not g.removed and g.job_id in dead_jobs
+            and (g.actor_id is None or g.actor_id in dead_actors)]  # fmt: skip
 
 
 class RayJobs:
@@ -241,6 +268,57 @@ class RayJobs:
         self.head_node_id = head  # one assignment: readers in other threads never see it half-built
         return ClusterView(nodes=nodes, dead_nodes=dead)
 
+    def free_orphaned_placement_groups(self) -> list[PlacementGroupFacts]:
+        """Remove the placement groups that Ray should have removed and did not (`orphaned`); return them. Needs the GCS
+        (an address given); without it, or when it does not answer, nothing is done (the next sweep tries again)."""
+        if not self.gcs_address:
+            return []
+        from ray._private.gcs_utils import create_gcs_channel
+        from ray._raylet import GcsClient
+        from ray.core.generated import gcs_pb2
+        from ray.core.generated import gcs_service_pb2 as pb
+        from ray.core.generated import gcs_service_pb2_grpc as rpc
+
+        channel = create_gcs_channel(self.gcs_address)  # a new one each time: a head restart is a new cluster
+        try:
+            groups_rpc = rpc.PlacementGroupInfoGcsServiceStub(channel)
+            table = groups_rpc.GetAllPlacementGroup(pb.GetAllPlacementGroupRequest(), timeout=5)
+            removed = gcs_pb2.PlacementGroupTableData.REMOVED
+            groups = {
+                g.placement_group_id.hex(): PlacementGroupFacts(
+                    pg_id=g.placement_group_id.hex(), job_id=g.creator_job_id.hex(),
+                    actor_id=None if g.creator_actor_id.strip(b"\xff") == b"" else g.creator_actor_id.hex(),
+                    detached=g.is_detached, removed=g.state == removed,
+                    resources=_bundle_total(g.bundles),
+                )
+                for g in table.placement_group_table_data
+            }  # fmt: skip
+            live = [g for g in groups.values() if not g.detached and not g.removed]
+            if not live:
+                return []
+            gcs = self._gcs if self._gcs is not None else GcsClient(address=self.gcs_address)
+            jobs = gcs.get_all_job_info(skip_submission_job_info_field=True, skip_is_running_tasks_field=True,
+                                        timeout=5)  # fmt: skip
+            dead_jobs = {job_id.hex() for job_id, job in jobs.items() if job.is_dead}
+            actors_rpc = rpc.ActorInfoGcsServiceStub(channel)
+            dead_actors = set()
+            for actor_id in {g.actor_id for g in live if g.job_id in dead_jobs and g.actor_id is not None}:
+                reply = actors_rpc.GetActorInfo(pb.GetActorInfoRequest(actor_id=bytes.fromhex(actor_id)), timeout=5)
+                actor = reply.actor_table_data if reply.HasField("actor_table_data") else None
+                if actor is None or actor.state == gcs_pb2.ActorTableData.DEAD:
+                    dead_actors.add(actor_id)
+            freed = []
+            for pg_id in orphaned(live, dead_jobs=dead_jobs, dead_actors=dead_actors):
+                groups_rpc.RemovePlacementGroup(pb.RemovePlacementGroupRequest(placement_group_id=bytes.fromhex(pg_id)),
+                                                timeout=5)  # fmt: skip
+                freed.append(groups[pg_id])
+                group = groups[pg_id]
+                log.warning("removed placement group %s, which Ray still held for ended Ray job %s (made by actor %s, "
+                            "dead): %s", pg_id, group.job_id, group.actor_id, group.resources)  # fmt: skip
+            return freed
+        finally:
+            channel.close()
+
     def _cluster_from_dashboard(self) -> ClusterView:
         r = self._request("GET", "/nodes", params={"view": "summary"})
         if r.status_code != 200:
@@ -275,3 +353,11 @@ class RayJobs:
                         remaining -= take
         self.head_node_id = head
         return ClusterView(nodes=nodes, dead_nodes=dead)
+
+
+def _bundle_total(bundles: Iterable[Any]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for bundle in bundles:
+        for key, value in bundle.unit_resources.items():
+            total[key] = total.get(key, 0.0) + float(value)
+    return total

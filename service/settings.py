@@ -96,6 +96,10 @@ class Settings(BaseSettings):
     dispatcher_tick_seconds: float = Field(0.5, gt=0)
     lease_seconds: float = Field(15.0, gt=0)
     dispatcher_threads: int = Field(8, ge=1, le=64, description="jobs reconciled at once by one dispatcher")
+    # How often a dispatcher removes the placement groups Ray should have removed and did not: not detached, of an
+    # ended Ray job, made by a dead actor (service.ray_jobs.orphaned). One left held keeps its CPUs and GPUs from
+    # every later job for as long as the cluster lives.
+    placement_group_sweep_seconds: float = Field(30.0, gt=0)
     # A Ray Job still running this long after its driver said the run ended is stopped (service.late_logs).
     driver_linger_seconds: float = Field(60.0, gt=0)
     # Between ticks a dispatcher wakes on signals (service.signals: a job posted, an attempt ended, a cancel); two
