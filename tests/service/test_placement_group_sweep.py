@@ -27,6 +27,7 @@ from service.migrate import upgrade
 from service.ray_jobs import PlacementGroupFacts, RayJobs, orphaned
 from service.ray_local import LocalHead
 from service.settings import Settings
+from tests.conftest import wait_for
 
 
 def group(pg: str, job: str = "j1", actor: str | None = "a1", detached: bool = False, removed: bool = False):
@@ -132,8 +133,6 @@ def gcs(ray_head: LocalHead) -> Iterator[Gcs]:
 
 
 def wait_created(gcs: Gcs, pg_id: str) -> None:
-    from tests.conftest import wait_for
-
     wait_for(lambda: gcs.state(pg_id) == "CREATED", timeout=60, what=f"placement group {pg_id} created")
 
 
@@ -149,7 +148,8 @@ def test_a_group_ray_left_held_for_an_ended_job_is_removed_by_a_dispatcher_tick(
         for pg_id in (left_held, *kept):
             wait_created(gcs, pg_id)
         ray = RayJobs(ray_head.dashboard_url, gcs_address=ray_head.gcs_address)
-        assert f"CPU_group_{left_held}" in ray.cluster().total  # Ray holds its CPU for it
+        # Ray holds its CPU for it (once the raylet has reported the group to the GCS).
+        wait_for(lambda: f"CPU_group_{left_held}" in ray.cluster().total, timeout=30, what="its CPU held")
 
         settings = Settings(database_url=f"sqlite:///{tmp_path / 'shunter.db'}", data_dir=tmp_path / "data",
                             storage_uri=str(tmp_path / "ckpt"), placement_group_sweep_seconds=3600)  # fmt: skip
@@ -160,7 +160,8 @@ def test_a_group_ray_left_held_for_an_ended_job_is_removed_by_a_dispatcher_tick(
             dispatcher.tick()
             assert gcs.state(left_held) == "REMOVED"
             assert [gcs.state(pg_id) for pg_id in kept] == ["CREATED", "CREATED"]
-            assert f"CPU_group_{left_held}" not in ray.cluster().total
+            # Its CPU is free again (the raylet reports what it holds to the GCS a moment later).
+            wait_for(lambda: f"CPU_group_{left_held}" not in ray.cluster().total, timeout=30, what="its CPU freed")
             # One sweep per period: a group left held now waits for the next one.
             again = gcs.create(job=ended["job"], actor=ended["dies"])
             kept.append(again)
