@@ -100,13 +100,7 @@ class Client:
         self.close()
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        r = self.http.request(method, path, **kwargs)
-        if r.status_code >= 400:
-            try:
-                body = r.json()
-            except ValueError:
-                body = {"detail": r.text}
-            raise ApiError(r.status_code, body if isinstance(body, dict) else {"detail": body})
+        r = _checked(self.http.request(method, path, **kwargs))
         return r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
 
     def submit(self, spec: dict[str, Any], *, idempotency_key: str | None = None) -> JobPublic:
@@ -146,11 +140,20 @@ class Client:
     def retry(self, job_id: str) -> dict[str, Any]:
         return dict(self._call("POST", f"/v1/jobs/{job_id}/retry"))
 
+    def _pages(self, path: str, params: dict[str, Any]) -> Iterator[Any]:
+        """Every row of a paged list (a job's events, checkpoints, metrics), following X-Next-After page by page."""
+        params = dict(params)
+        while True:
+            r = _checked(self.http.get(path, params=params))
+            yield from r.json()
+            after = r.headers.get("X-Next-After")
+            if not after:
+                return
+            params["after"] = after
+
     def events(self, job_id: str, *, after: int = 0) -> list[EventPublic]:
-        return [
-            EventPublic.model_validate(e)
-            for e in self._call("GET", f"/v1/jobs/{job_id}/events", params={"after": after})
-        ]
+        """The job's events after `after`, oldest first: every page of them."""
+        return [EventPublic.model_validate(e) for e in self._pages(f"/v1/jobs/{job_id}/events", {"after": after})]
 
     def all_events(self, *, after: int = 0, limit: int = 100) -> list[EventPublic]:
         """Events of every job the caller may see, oldest first."""
@@ -198,11 +201,13 @@ class Client:
         return [AttemptPublic.model_validate(a) for a in self._call("GET", f"/v1/jobs/{job_id}/attempts")]
 
     def checkpoints(self, job_id: str) -> list[CheckpointPublic]:
-        return [CheckpointPublic.model_validate(c) for c in self._call("GET", f"/v1/jobs/{job_id}/checkpoints")]
+        """Every checkpoint of the job, in the order they were recorded (every page)."""
+        return [CheckpointPublic.model_validate(c) for c in self._pages(f"/v1/jobs/{job_id}/checkpoints", {})]
 
     def metrics(self, job_id: str, *, name: str | None = None) -> list[MetricPoint]:
+        """Every metric point of the job (only `name`'s, if given), in the order they were reported (every page)."""
         params = {"name": name} if name else {}
-        return [MetricPoint.model_validate(m) for m in self._call("GET", f"/v1/jobs/{job_id}/metrics", params=params)]
+        return [MetricPoint.model_validate(m) for m in self._pages(f"/v1/jobs/{job_id}/metrics", params)]
 
     def logs(self, job_id: str, *, attempt: int | None = None, tail: int | None = None) -> str:
         """The attempt's log; with `tail`, only its last lines."""
@@ -251,3 +256,14 @@ class Client:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} still {job.state} after {timeout:.0f}s")
             time.sleep(interval)
+
+
+def _checked(r: httpx.Response) -> httpx.Response:
+    """The answer, or its error raised as ApiError (the API's own body: detail, code, field)."""
+    if r.status_code >= 400:
+        try:
+            body = r.json()
+        except ValueError:
+            body = {"detail": r.text}
+        raise ApiError(r.status_code, body if isinstance(body, dict) else {"detail": body})
+    return r

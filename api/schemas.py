@@ -220,6 +220,16 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         "headers": _RETRY_AFTER,
     },
 }
+# Documented on the attempt API's writes that are counted (its reports and warnings: issue 35).
+ATTEMPT_LIMIT_RESPONSES: dict[int | str, dict[str, Any]] = {
+    429: {
+        **_ERROR,
+        "description": "this attempt's reports write faster than `attempt_rows_per_second` (code "
+                       "`attempt_rate_limited`; Retry-After says when to try again), or wrote `attempt_max_rows` rows "
+                       "in all (code `attempt_row_cap`)",
+        "headers": _RETRY_AFTER,
+    },
+}  # fmt: skip
 # Documented on the endpoints that can stream (`follow=true`).
 STREAM_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     429: {

@@ -307,9 +307,10 @@ def retry(session: Session, job_id: str, *, caller: Caller) -> Job:
     )
 
 
-def events(session: Session, job: Job, *, after_id: int = 0) -> list[JobEvent]:
+def events(session: Session, job: Job, *, after_id: int = 0, limit: int | None = None) -> list[JobEvent]:
+    """The job's events after an event id, oldest first (at most `limit`: a page)."""
     query = select(JobEvent).where(JobEvent.job_id == job.id, col(JobEvent.id) > after_id)
-    return list(session.exec(query.order_by(col(JobEvent.id))).all())
+    return list(session.exec(query.order_by(col(JobEvent.id)).limit(limit)).all())
 
 
 def visible_events(session: Session, *, caller: Caller, after_id: int = 0, limit: int = 1000) -> list[JobEvent]:
@@ -350,13 +351,17 @@ def attempts(session: Session, job: Job) -> list[Attempt]:
     return list(session.exec(select(Attempt).where(Attempt.job_id == job.id).order_by(col(Attempt.number))).all())
 
 
-def checkpoints(session: Session, job: Job) -> list[Checkpoint]:
-    query = select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(col(Checkpoint.id))
-    return list(session.exec(query).all())
+def checkpoints(session: Session, job: Job, *, after_id: int = 0, limit: int | None = None) -> list[Checkpoint]:
+    """The job's checkpoints in the order they were recorded, after a row id (at most `limit`: a page)."""
+    query = select(Checkpoint).where(Checkpoint.job_id == job.id, col(Checkpoint.id) > after_id)
+    return list(session.exec(query.order_by(col(Checkpoint.id)).limit(limit)).all())
 
 
-def metric_series(session: Session, job: Job, *, name: str | None = None, limit: int = 10_000) -> list[Metric]:
-    query = select(Metric).where(Metric.job_id == job.id)
+def metric_series(
+    session: Session, job: Job, *, name: str | None = None, after_id: int = 0, limit: int = 10_000
+) -> list[Metric]:
+    """The job's metric points in the order they were reported, after a row id (at most `limit`: a page)."""
+    query = select(Metric).where(Metric.job_id == job.id, col(Metric.id) > after_id)
     if name:
         query = query.where(Metric.name == name)
     return list(session.exec(query.order_by(col(Metric.id)).limit(limit)).all())

@@ -143,6 +143,9 @@ class Attempt(SQLModel, table=True):
     # Ray nodes this attempt's workers were kept off (service.exclusion), as admission decided; the driver's label
     # selector keeps Ray's placement off them too.
     excluded_nodes: list[str] | None = Field(default=None, sa_column=Column(JSON))
+    # Rows this attempt's own reports wrote (metric points, checkpoint records, their events): capped by
+    # `Settings.attempt_max_rows` (service.progress).
+    rows_written: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
 
 
 class JobEvent(SQLModel, table=True):

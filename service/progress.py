@@ -16,8 +16,60 @@ from sqlmodel import Session, col, select
 
 from service import exclusion, signals
 from service.db import begin_write
+from service.errors import ShunterError
 from service.models import ACTIVE_STATES, Attempt, Checkpoint, EndReason, EventKind, Job, JobEvent, Metric, utcnow
 from service.state import record_event
+
+ROW_CAP_REASON = "attempt_row_cap"
+RATE_LIMIT_REASON = "attempt_rate_limited"
+
+
+class AttemptRowCap(ShunterError):
+    """The attempt's reports already wrote `Settings.attempt_max_rows` rows: this one is refused."""
+
+    status_code = 429
+    code = ROW_CAP_REASON
+
+
+def _take_rows(session: Session, *, job_id: str, attempt: int, rows: int, max_rows: int | None) -> bool:
+    """Count `rows` more against the attempt's total, in the write's own transaction: False (nothing counted) when that
+    would pass `max_rows`. One conditional UPDATE, so API processes writing at once never pass it together."""
+    if max_rows is None or rows == 0:
+        return True
+    taken = session.execute(
+        update(Attempt)
+        .where(Attempt.job_id == job_id, Attempt.number == attempt,  # type: ignore[arg-type]
+               col(Attempt.rows_written) + rows <= max_rows)
+        .values(rows_written=col(Attempt.rows_written) + rows)
+    )  # fmt: skip
+    return bool(taken.rowcount)  # type: ignore[attr-defined]
+
+
+def record_limited(engine: Engine, *, job_id: str, attempt: int, reason: str, message: str) -> bool:
+    """Say on the job's timeline, once per attempt and `reason`, that its reports are being refused (a cap or a rate);
+    never for an attempt that is no longer current. False when already said, or fenced off."""
+    with Session(engine) as session:
+        begin_write(session)
+        current = session.exec(
+            select(Job.id).where(Job.id == job_id, Job.attempt == attempt,
+                                 Job.state.in_(ACTIVE_STATES))  # type: ignore[attr-defined]
+        ).first()  # fmt: skip
+        said = session.exec(
+            select(JobEvent.id).where(JobEvent.job_id == job_id, JobEvent.reason == reason,
+                                      JobEvent.attempt == attempt).limit(1)
+        ).first()  # fmt: skip
+        if current is None or said is not None:
+            return False
+        record_event(session, job_id, kind=EventKind.WARNING, reason=reason, message=message, attempt=attempt)
+        session.commit()
+    return True
+
+
+def _over_cap(engine: Engine, *, job_id: str, attempt: int, max_rows: int) -> AttemptRowCap:
+    message = (f"this attempt's reports wrote {max_rows} rows (metric points, checkpoints and their events), "
+               "the most one attempt may (attempt_max_rows): later reports are refused")  # fmt: skip
+    record_limited(engine, job_id=job_id, attempt=attempt, reason=ROW_CAP_REASON, message=message)
+    return AttemptRowCap(message)
 
 
 def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
@@ -41,8 +93,10 @@ def record_report(
     keep: int | None = None,
     report_index: int = 0,
     progress: bool = True,
+    max_rows: int | None = None,
 ) -> bool:
-    """Store one `ray.train.report` (rank 0's metrics, and the checkpoint if any). False if fenced off.
+    """Store one `ray.train.report` (rank 0's metrics, and the checkpoint if any). False if fenced off; AttemptRowCap
+    (nothing stored) when its rows would take the attempt past `max_rows`.
 
     Only a complete checkpoint becomes the job's latest; with `keep`, older complete ones beyond the newest `keep`
     are marked pruned, as Ray Train's `num_to_keep` deletes them. A report of a checkpoint this attempt already
@@ -91,6 +145,10 @@ def record_report(
         if replay:
             session.commit()
             return True
+        rows = len([name for name in numeric if name != "step"]) + (2 if checkpoint_uri else 0)
+        if not _take_rows(session, job_id=job_id, attempt=attempt, rows=rows, max_rows=max_rows):
+            session.rollback()
+            raise _over_cap(engine, job_id=job_id, attempt=attempt, max_rows=max_rows or 0)
         for name, value in numeric.items():
             if name != "step":
                 session.add(Metric(job_id=job_id, attempt=attempt, step=step, name=name, value=value, at=now))
@@ -189,7 +247,9 @@ def _mark_pruned(session: Session, *, job_id: str, keep: int) -> None:
         session.add(row)
 
 
-def record_warning(engine: Engine, *, job_id: str, attempt: int, code: str, message: str) -> bool:
+def record_warning(
+    engine: Engine, *, job_id: str, attempt: int, code: str, message: str, max_rows: int | None = None
+) -> bool:
     """Tell the user something that did not stop the job: a WARNING event (`code` as its reason) and `message` in
     `Job.warnings`. Fenced by attempt like `record_report`; once per attempt and code (the callback and the driver
     may both notice the same thing), and a message already listed from an earlier attempt is not listed twice.
@@ -213,6 +273,9 @@ def record_warning(engine: Engine, *, job_id: str, attempt: int, code: str, mess
         ).first()
         if seen is not None:
             return False
+        if not _take_rows(session, job_id=job_id, attempt=attempt, rows=1, max_rows=max_rows):
+            session.rollback()
+            raise _over_cap(engine, job_id=job_id, attempt=attempt, max_rows=max_rows or 0)
         if message not in (job.warnings or []):
             job.warnings = [*(job.warnings or []), message]
             session.add(job)

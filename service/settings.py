@@ -114,6 +114,13 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body; 413 beyond")
     max_spec_depth: int = Field(32, ge=4, le=MAX_SPEC_DEPTH, description="deepest nesting a job spec may have")
     max_streams_per_caller: int = Field(8, ge=1, description="concurrent follow streams per caller; 429 beyond")
+    # What one attempt of a job may write through its reports (issue 35): metric points, checkpoint records and the
+    # events they add. A rate (per API process: a token bucket of `attempt_rows_burst`, refilled at
+    # `attempt_rows_per_second`) and a total; beyond either the report is refused with a 429 and the job's timeline
+    # says so, once. The burst holds the largest report (256 metrics and a checkpoint).
+    attempt_rows_per_second: float = Field(2000.0, gt=0)
+    attempt_rows_burst: int = Field(20_000, ge=300)
+    attempt_max_rows: int = Field(5_000_000, ge=300)
     stream_max_seconds: float = Field(3600.0, gt=0, description="a follow stream ends after this long")
     max_code_bytes: int = Field(100 << 20, ge=1024, description="largest code archive POST /v1/code takes")
     # What an archive may unpack to: a small deflate bomb or a zip of 200,000 empty entries cost seconds of the API's

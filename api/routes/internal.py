@@ -17,9 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 from sqlmodel import Session
 
 from api.deps import RuntimeDep, SettingsDep
-from api.schemas import ERROR_RESPONSES
+from api.limits import AttemptRates, retry_after
+from api.schemas import ATTEMPT_LIMIT_RESPONSES, ERROR_RESPONSES
 from service import attempt_tokens, preflight, progress, submission
-from service.errors import Conflict, Forbidden, NotFound, Unauthorized
+from service.errors import Conflict, Forbidden, NotFound, ShunterError, Unauthorized
 from service.models import ACTIVE_STATES, EndReason, Job, JobState
 from service.numbers import INT32_MAX
 
@@ -38,6 +39,39 @@ DRIVER_END_REASONS = frozenset(EndReason) - {EndReason.PREEMPTED, EndReason.TIME
 
 PREFIX = "/internal/v1/attempts"
 router = APIRouter(prefix=PREFIX, tags=["internal"], responses=ERROR_RESPONSES)
+RATES = AttemptRates()
+_TOLD: set[tuple[str, int]] = set()  # attempts whose timeline was told of their rate, by this process
+
+
+class AttemptRateLimited(ShunterError):
+    status_code = 429
+    code = progress.RATE_LIMIT_REASON
+
+    def __init__(self, detail: str, *, wait: float) -> None:
+        super().__init__(detail)
+        self.headers = {"Retry-After": retry_after(wait)}
+
+
+def _within_rate(rt: Any, settings: Any, job_id: str, attempt: int, rows: int) -> None:
+    """Take the report's rows from the attempt's rate (AttemptRates); beyond it the report is refused with a 429 and
+    Retry-After, and the job's timeline says so once (asked of the database once per attempt in this process, so a
+    job that floods costs no more than a refusal)."""
+    wait = RATES.take((job_id, attempt), rows, per_second=settings.attempt_rows_per_second,
+                      burst=settings.attempt_rows_burst)  # fmt: skip
+    if not wait:
+        return
+    message = (
+        f"this attempt's reports write faster than {settings.attempt_rows_per_second:g} rows a second (metric "
+        "points, checkpoints: attempt_rows_per_second); they are refused until it slows down"
+    )
+    if (job_id, attempt) not in _TOLD:
+        if len(_TOLD) > 10_000:
+            _TOLD.clear()
+        _TOLD.add((job_id, attempt))
+        progress.record_limited(rt.engine, job_id=job_id, attempt=attempt, reason=progress.RATE_LIMIT_REASON,
+                                message=message)  # fmt: skip
+    raise AttemptRateLimited(message, wait=wait)
+
 
 JobId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 AttemptNo = Annotated[int, Path(ge=1, le=1_000_000)]
@@ -123,13 +157,16 @@ class Reported(BaseModel):
     reported: bool
 
 
-@router.post("/{job_id}/{attempt}/report", response_model=Recorded)
-def report(scope: Scope, body: ReportBody, rt: RuntimeDep) -> Recorded:
-    """One `ray.train.report` of rank 0 (and its checkpoint); `recorded: false` once the attempt is not current."""
+@router.post("/{job_id}/{attempt}/report", response_model=Recorded, responses=ATTEMPT_LIMIT_RESPONSES)
+def report(scope: Scope, body: ReportBody, rt: RuntimeDep, settings: SettingsDep) -> Recorded:
+    """One `ray.train.report` of rank 0 (and its checkpoint); `recorded: false` once the attempt is not current. 429
+    beyond the attempt's rate or total of rows (`attempt_rows_per_second`, `attempt_max_rows`)."""
     job_id, attempt = scope
+    _within_rate(rt, settings, job_id, attempt, len(body.metrics) + (2 if body.checkpoint_uri else 0))
     recorded = progress.record_report(
         rt.engine, job_id=job_id, attempt=attempt, metrics=dict(body.metrics), checkpoint_uri=body.checkpoint_uri,
         checkpoint_complete=body.checkpoint_complete, keep=body.keep, report_index=body.step, progress=body.progress,
+        max_rows=settings.attempt_max_rows,
     )  # fmt: skip
     return Recorded(recorded=recorded)
 
@@ -180,11 +217,14 @@ def preflight_result(scope: Scope, body: PreflightBody, rt: RuntimeDep) -> Recor
         return Recorded(recorded=preflight.record(session, job_id=job_id, attempt=attempt, report=body.report))
 
 
-@router.post("/{job_id}/{attempt}/warning", response_model=Recorded)
-def warning(scope: Scope, body: WarningBody, rt: RuntimeDep) -> Recorded:
-    """Something the user should know that did not stop the job (once per attempt and code)."""
+@router.post("/{job_id}/{attempt}/warning", response_model=Recorded, responses=ATTEMPT_LIMIT_RESPONSES)
+def warning(scope: Scope, body: WarningBody, rt: RuntimeDep, settings: SettingsDep) -> Recorded:
+    """Something the user should know that did not stop the job (once per attempt and code; counted with the
+    reports' rows)."""
     job_id, attempt = scope
-    recorded = progress.record_warning(rt.engine, job_id=job_id, attempt=attempt, code=body.code, message=body.message)
+    _within_rate(rt, settings, job_id, attempt, 1)
+    recorded = progress.record_warning(rt.engine, job_id=job_id, attempt=attempt, code=body.code, message=body.message,
+                                       max_rows=settings.attempt_max_rows)  # fmt: skip
     return Recorded(recorded=recorded)
 
 

@@ -202,20 +202,45 @@ def retry_job(job_id: JobId, session: SessionDep, caller: CallerDep) -> Accepted
     return Accepted(id=job.id, state=job.state, detail="queued again")
 
 
-@router.get("/{job_id}/events", response_model=list[EventPublic], responses=SSE_RESPONSE)
+# Paging of a job's events, checkpoints and metrics (issue 35: a job writes as many as it likes): each keeps its list
+# shape, a page holds at most `limit` rows, and a full page says where the next one starts in X-Next-After.
+NEXT_AFTER = "X-Next-After"
+_NEXT_AFTER_HEADER = {
+    NEXT_AFTER: {
+        "description": "sent when the page is full and more rows may follow: pass it as `after` for the next page",
+        "schema": {"type": "string", "pattern": "^[0-9]+$"},
+    }
+}
+PAGED: dict[int | str, dict[str, Any]] = {200: {"description": "one page, oldest first", "headers": _NEXT_AFTER_HEADER}}
+PAGE_SIZE = 1000
+PageLimit = Annotated[int, Query(ge=1, le=10_000, description=f"at most this many rows (default {PAGE_SIZE})")]
+RowAfter = Annotated[int, Query(ge=0, le=2**62, description="only rows after this position (a page's X-Next-After)")]
+
+
+def _paged(response: Response, rows: list[Any], limit: int) -> list[Any]:
+    if len(rows) >= limit:
+        response.headers[NEXT_AFTER] = str(rows[-1].id)
+    return rows
+
+
+@router.get("/{job_id}/events", response_model=list[EventPublic],
+            responses={**SSE_RESPONSE, 200: {**SSE_RESPONSE[200], "headers": _NEXT_AFTER_HEADER}})  # fmt: skip
 def job_events(
     job_id: JobId,
     request: Request,
+    response: Response,
     session: SessionDep,
     caller: CallerDep,
     runtime: RuntimeDep,
     after: After = 0,
+    limit: PageLimit = PAGE_SIZE,
     follow: Follow = False,
     timeout_seconds: StreamTimeout = None,
     last_event_id: LastEventId = "",
 ) -> Response | list[EventPublic]:
-    """The job's timeline, oldest first. `follow=true` streams it (SSE) and ends after the job's terminal event (or
-    at `timeout_seconds` / the server's `stream_max_seconds`; reconnect with `Last-Event-ID`)."""
+    """The job's timeline, oldest first, a page of at most `limit` events after `after` (a full page names the next
+    in `X-Next-After`). `follow=true` streams it (SSE) and ends after the job's terminal event (or at
+    `timeout_seconds` / the server's `stream_max_seconds`; reconnect with `Last-Event-ID`)."""
     job = jobs.get(session, job_id, caller=caller)
     start = resume_after(after, last_event_id)
     if follow:
@@ -223,7 +248,8 @@ def job_events(
             request.app, runtime.engine, runtime.settings, caller=caller, job_id=job.id, after=start,
             timeout_seconds=timeout_seconds,
         )  # fmt: skip
-    return [EventPublic.model_validate(e) for e in jobs.events(session, job, after_id=start)]
+    rows = _paged(response, jobs.events(session, job, after_id=start, limit=limit), limit)
+    return [EventPublic.model_validate(e) for e in rows]
 
 
 @router.get("/{job_id}/attempts", response_model=list[AttemptPublic])
@@ -232,22 +258,33 @@ def job_attempts(job_id: JobId, session: SessionDep, caller: CallerDep) -> list[
     return [AttemptPublic.model_validate(a) for a in jobs.attempts(session, job)]
 
 
-@router.get("/{job_id}/checkpoints", response_model=list[CheckpointPublic])
-def job_checkpoints(job_id: JobId, session: SessionDep, caller: CallerDep) -> list[CheckpointPublic]:
+@router.get("/{job_id}/checkpoints", response_model=list[CheckpointPublic], responses=PAGED)
+def job_checkpoints(
+    job_id: JobId, response: Response, session: SessionDep, caller: CallerDep, after: RowAfter = 0,
+    limit: PageLimit = PAGE_SIZE,
+) -> list[CheckpointPublic]:  # fmt: skip
+    """The job's checkpoints in the order they were recorded, a page of at most `limit` (a full page names the next
+    in `X-Next-After`)."""
     job = jobs.get(session, job_id, caller=caller)
-    return [CheckpointPublic.model_validate(c) for c in jobs.checkpoints(session, job)]
+    rows = _paged(response, jobs.checkpoints(session, job, after_id=after, limit=limit), limit)
+    return [CheckpointPublic.model_validate(c) for c in rows]
 
 
-@router.get("/{job_id}/metrics", response_model=list[MetricPoint])
+@router.get("/{job_id}/metrics", response_model=list[MetricPoint], responses=PAGED)
 def job_metrics(
     job_id: JobId,
+    response: Response,
     session: SessionDep,
     caller: CallerDep,
     name: Annotated[str | None, Query(max_length=128)] = None,
-    limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
+    after: RowAfter = 0,
+    limit: Annotated[int, Query(ge=1, le=100_000, description="at most this many points (default 10000)")] = 10_000,
 ) -> list[MetricPoint]:
+    """The job's metric points in the order they were reported (only `name`'s, if given), a page of at most `limit`
+    (a full page names the next in `X-Next-After`)."""
     job = jobs.get(session, job_id, caller=caller)
-    return [MetricPoint.model_validate(m) for m in jobs.metric_series(session, job, name=name, limit=limit)]
+    rows = _paged(response, jobs.metric_series(session, job, name=name, after_id=after, limit=limit), limit)
+    return [MetricPoint.model_validate(m) for m in rows]
 
 
 _NEXT_OFFSET = {

@@ -14,7 +14,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from service import attempt_tokens
-from service.models import EndReason, Job, JobState
+from service.models import Checkpoint, EndReason, Job, JobState, Metric
 from service.retry import decide
 from service.spec import JobSpec
 from tests.live_api import LiveApi, add_attempt, live_api
@@ -390,3 +390,108 @@ def test_3_a_job_list_comes_without_specs_unless_asked_for_a_small_page(api: Liv
     assert (too_many.status_code, too_many.json()["field"]) == (422, "limit"), too_many.text
     one = httpx.get(f"{api.url}/v1/jobs/{ids[0]}", headers=auth, timeout=10).json()
     assert one["spec"]["config"]["blob"] == big["config"]["blob"]  # the job itself keeps it (the page's spec pane)
+
+
+# ---- 4. a job's events, checkpoints and metrics come in pages -------------------------------------------------------
+def test_4_events_checkpoints_and_metrics_come_in_pages_that_the_client_follows(api: LiveApi) -> None:
+    """A job writes as many events, checkpoints and metric points as it likes, and each list was answered whole.
+    Now a page holds at most `limit` rows (a default when not asked), oldest first, and a full page names where the
+    next starts in `X-Next-After`; the client (so the CLI) and the web page follow the pages to the end."""
+    from api.client import Client
+    from service.models import JobEvent
+
+    job = running_job(api.engine)
+    with Session(api.engine) as session:
+        for i in range(5):
+            session.add(JobEvent(job_id=job, kind="info", reason=f"r{i}"))
+            session.add(Checkpoint(job_id=job, attempt=1, step=i, uri=f"/ckpt/{i}"))
+            session.add(Metric(job_id=job, attempt=1, step=i, name="loss", value=float(i)))
+            session.add(Metric(job_id=job, attempt=1, step=i, name="lr", value=0.1))
+        session.commit()
+    auth = {"Authorization": f"Bearer {ALICE}"}
+    for path, params, key in (
+        ("events", {}, "reason"),
+        ("checkpoints", {}, "step"),
+        ("metrics", {"name": "loss"}, "step"),
+    ):
+        url = f"{api.url}/v1/jobs/{job}/{path}"
+        every = httpx.get(url, params=params, headers=auth, timeout=10)
+        assert every.status_code == 200 and "X-Next-After" not in every.headers, (path, every.headers)
+        pages, after = [], None
+        while True:
+            r = httpx.get(url, params={**params, "limit": 2, **({"after": after} if after else {})}, headers=auth,
+                          timeout=10)  # fmt: skip
+            assert r.status_code == 200 and len(r.json()) <= 2, (path, r.text)
+            pages.append([row[key] for row in r.json()])
+            after = r.headers.get("X-Next-After")
+            if after is None:
+                break
+        assert sum(pages, []) == [row[key] for row in every.json()] and len(pages) == 3, (path, pages)
+        too_big = httpx.get(url, params={**params, "limit": 10**6}, headers=auth, timeout=10)
+        assert (too_big.status_code, too_big.json()["field"]) == (422, "limit"), (path, too_big.text)
+    with Client(api.url, token=ALICE) as c:
+        c.http.params = c.http.params.merge({"limit": 2})  # every read in pages of 2: the client follows them
+        assert [e.reason for e in c.events(job)][-5:] == [f"r{i}" for i in range(5)]
+        assert [k.step for k in c.checkpoints(job)] == list(range(5))
+        assert [(m.step, m.value) for m in c.metrics(job, name="loss")] == [(i, float(i)) for i in range(5)]
+
+
+def _report(api: LiveApi, job: str, body: dict) -> httpx.Response:
+    token = {"Authorization": f"Bearer {api.token(job, 1)}"}
+    return httpx.post(f"{api.url}/internal/v1/attempts/{job}/1/report", json=body, headers=token, timeout=10)
+
+
+def _told(api: LiveApi, job: str, reason: str) -> int:
+    from service.models import JobEvent
+
+    with Session(api.engine) as session:
+        return len(session.exec(select(JobEvent).where(JobEvent.job_id == job, JobEvent.reason == reason)).all())
+
+
+def test_4_an_attempt_that_reports_too_fast_is_refused_with_a_429_and_told_once(db: Engine, tmp_path: Path) -> None:  # noqa: F811
+    """Four threads of one job posting 256 metrics a report wrote ~6,100 rows a second. Now each attempt has a rate
+    (a bucket of `attempt_rows_burst`, refilled at `attempt_rows_per_second`): beyond it a 429 with Retry-After, and
+    one event on the job's timeline however often it is refused; other attempts have buckets of their own."""
+    attempt_tokens.forget_cached_keys()
+    with live_api(db, tmp_path, api_tokens={ALICE: {"owner": "alice"}}, attempt_rows_per_second=5.0,
+                  attempt_rows_burst=300) as api:  # fmt: skip
+        job, other = running_job(api.engine), running_job(api.engine)
+        wide = {"metrics": {f"m{k}": 1.0 for k in range(150)}, "step": 1}
+        assert [_report(api, job, wide).status_code for _ in range(2)] == [200, 200]
+        for _ in range(3):
+            refused = _report(api, job, wide)
+            assert refused.status_code == 429 and refused.json()["code"] == "attempt_rate_limited", refused.text
+            assert int(refused.headers["Retry-After"]) >= 20  # 150 rows at 5 a second
+        assert _told(api, job, "attempt_rate_limited") == 1
+        assert _report(api, other, wide).status_code == 200  # its own bucket
+        with Session(api.engine) as session:
+            assert len(session.exec(select(Metric).where(Metric.job_id == job)).all()) == 300
+    attempt_tokens.forget_cached_keys()
+
+
+def test_4_an_attempt_that_wrote_its_rows_is_refused_whatever_it_sends_and_told_once(
+    db: Engine,  # noqa: F811 - the imported fixture
+    tmp_path: Path,
+) -> None:
+    """Metric rows, checkpoint records and events were unbounded per attempt. Now the attempt's own reports write at
+    most `attempt_max_rows` rows, counted in the database (so several API processes never pass it together): the
+    report that would pass it is refused whole (429, `attempt_row_cap`), so are later metrics, checkpoints and
+    warnings, and the job's timeline says so once."""
+    attempt_tokens.forget_cached_keys()
+    with live_api(db, tmp_path, api_tokens={ALICE: {"owner": "alice"}}, attempt_rows_per_second=1e6,
+                  attempt_max_rows=300) as api:  # fmt: skip
+        job = running_job(api.engine)
+        hundred = {"metrics": {f"m{k}": 1.0 for k in range(100)}, "step": 1}
+        assert [_report(api, job, hundred | {"step": i}).status_code for i in range(3)] == [200, 200, 200]
+        token = {"Authorization": f"Bearer {api.token(job, 1)}"}
+        for refused in (_report(api, job, {"metrics": {"loss": 1.0}, "step": 4}),
+                        _report(api, job, {"metrics": {}, "step": 5, "checkpoint_uri": "/ckpt/5"}),
+                        httpx.post(f"{api.url}/internal/v1/attempts/{job}/1/warning", headers=token, timeout=10,
+                                   json={"code": "slow", "message": "slow"})):  # fmt: skip
+            assert refused.status_code == 429 and refused.json()["code"] == "attempt_row_cap", refused.text
+        assert _told(api, job, "attempt_row_cap") == 1
+        with Session(api.engine) as session:
+            assert len(session.exec(select(Metric).where(Metric.job_id == job)).all()) == 300
+            assert session.exec(select(Checkpoint).where(Checkpoint.job_id == job)).all() == []
+            assert session.get(Job, job).step == 2  # the refused reports moved nothing
+    attempt_tokens.forget_cached_keys()

@@ -59,6 +59,19 @@ const shunter = (() => {
     return (await api(path)).json();
   }
 
+  // Every row of a paged list (a job's events or checkpoints): page after page, as X-Next-After names them.
+  async function pages(path) {
+    const rows = [];
+    let url = path;
+    for (;;) {
+      const res = await api(url);
+      rows.push(...(await res.json()));
+      const next = res.headers.get("X-Next-After");
+      if (!next) return rows;
+      url = `${path}${path.includes("?") ? "&" : "?"}after=${encodeURIComponent(next)}`;
+    }
+  }
+
   function post(path) {
     return api(path, { method: "POST" }).then((res) => res.json());
   }
@@ -307,7 +320,7 @@ const shunter = (() => {
   });
 
   return {
-    ApiError, TERMINAL, STATES, api, json, post, el, append, fill, $, safeUrl, stateBadge, jobLink, time, num,
+    ApiError, TERMINAL, STATES, api, json, pages, post, el, append, fill, $, safeUrl, stateBadge, jobLink, time, num,
     resources, run, showMain, notice, follow, stopStream,
   };
 })();

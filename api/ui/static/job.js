@@ -219,7 +219,7 @@
     const [fresh, attempts, checkpoints, metrics] = await Promise.all([
       S.json(base),
       S.json(`${base}/attempts`),
-      S.json(`${base}/checkpoints`),
+      S.pages(`${base}/checkpoints`),
       S.json(`${base}/metrics?limit=100000`),
     ]);
     job = fresh;
@@ -295,7 +295,7 @@
   }
 
   async function start() {
-    const events = await S.json(`${base}/events`);
+    const events = await S.pages(`${base}/events`);
     await readAll();
     S.fill(S.$("event-rows"), events.map(eventRow));
     lastEvent = events.length ? events[events.length - 1].id : 0;
