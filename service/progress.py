@@ -33,16 +33,19 @@ class AttemptRowCap(ShunterError):
 
 def _take_rows(session: Session, *, job_id: str, attempt: int, rows: int, max_rows: int | None) -> bool:
     """Count `rows` more against the attempt's total, in the write's own transaction: False (nothing counted) when that
-    would pass `max_rows`. One conditional UPDATE, so API processes writing at once never pass it together."""
+    would pass `max_rows`. One conditional UPDATE, so API processes writing at once never pass it together. An
+    attempt with no row (the dispatcher makes one as it admits the attempt; a job's row alone, as tests and tools
+    write it) has nothing to count against."""
     if max_rows is None or rows == 0:
         return True
+    this = (Attempt.job_id == job_id, Attempt.number == attempt)
     taken = session.execute(
-        update(Attempt)
-        .where(Attempt.job_id == job_id, Attempt.number == attempt,  # type: ignore[arg-type]
-               col(Attempt.rows_written) + rows <= max_rows)
+        update(Attempt).where(*this, col(Attempt.rows_written) + rows <= max_rows)  # type: ignore[arg-type]
         .values(rows_written=col(Attempt.rows_written) + rows)
     )  # fmt: skip
-    return bool(taken.rowcount)  # type: ignore[attr-defined]
+    if taken.rowcount:  # type: ignore[attr-defined]
+        return True
+    return session.exec(select(Attempt.id).where(*this)).first() is None  # type: ignore[arg-type]
 
 
 def record_limited(engine: Engine, *, job_id: str, attempt: int, reason: str, message: str) -> bool:

@@ -495,3 +495,19 @@ def test_4_an_attempt_that_wrote_its_rows_is_refused_whatever_it_sends_and_told_
             assert session.exec(select(Checkpoint).where(Checkpoint.job_id == job)).all() == []
             assert session.get(Job, job).step == 2  # the refused reports moved nothing
     attempt_tokens.forget_cached_keys()
+
+
+def test_4_a_report_of_an_attempt_with_no_row_is_stored_uncounted(db: Engine, tmp_path: Path) -> None:  # noqa: F811
+    """The dispatcher makes an attempt's row as it admits it; a job written without one (by a tool, or a test of the
+    worker side) has nothing to count against, and its reports are stored as before, not refused as over a cap."""
+    attempt_tokens.forget_cached_keys()
+    with live_api(db, tmp_path, attempt_max_rows=300) as api:
+        with Session(api.engine) as session:
+            job = Job(name="j", owner="anonymous", spec=JobSpec.model_validate(SPEC).model_dump(mode="json"),
+                      state=JobState.RUNNING, attempt=1)  # fmt: skip
+            session.add(job)
+            session.commit()
+            job_id = job.id
+        r = _report(api, job_id, {"metrics": {"loss": 0.5}, "step": 1})
+        assert r.status_code == 200 and r.json() == {"recorded": True}, r.text
+    attempt_tokens.forget_cached_keys()
