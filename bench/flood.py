@@ -1,0 +1,175 @@
+"""A hostile tenant's flood against a well-behaved one (issue 35), on PostgreSQL by default: alice's submit latency,
+quiet and then while mallory floods the service every way a tenant can, side by side in one run.
+
+    python -m bench.flood [--db postgres|sqlite] [--submits 300]
+
+One `shunter api` process (tokens on; the noop backend, so nothing trains) on a fresh database. Mallory's flood:
+- from inside a job of hers (its attempt token): four threads posting reports of 256 metrics each, as fast as the
+  API answers (the audit's 6,100 rows a second);
+- sweeps of 100 members with ~4 KB of config each, one after another;
+- eight readers of her running job's log, each as often as answered.
+Alice meanwhile submits one job at a time. The figures: alice's p50 and p99 quiet and under the flood (the issue asks
+p99 under 2x quiet), and what mallory got (accepted, refused with 429, other). Writes bench/results/flood.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import common
+from bench.common import log, median, pct
+from service.ray_local import free_port
+
+RESULTS = common.ROOT / "bench" / "results" / "flood.json"
+ALICE, MALLORY = "alice-bench-token", "mallory-bench-token"
+SECRET = "flood-bench-progress-secret-" + "k" * 16
+SPEC = {"entrypoint": {"callable": "examples.mlp:train_loop"}, "resources": {"num_workers": 1},
+        "config": {"total_steps": 10}}  # fmt: skip
+
+
+def submits(url: str, n: int) -> list[float]:
+    """Alice's submits, one after another: each one's seconds."""
+    took = []
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ALICE}"}, timeout=60) as c:
+        for i in range(n):
+            t0 = time.perf_counter()
+            r = c.post("/v1/jobs", json=SPEC | {"name": f"alice-{i}"})
+            took.append(time.perf_counter() - t0)
+            if r.status_code != 201:
+                raise RuntimeError(f"alice's submit answered {r.status_code}: {r.text[:300]}")
+    return took
+
+
+def summary(took: list[float]) -> dict[str, float]:
+    return {"n": len(took), "p50_ms": round(median(took) * 1e3, 2), "p99_ms": round(pct(took, 99) * 1e3, 2)}
+
+
+def running_job_of_mallory(db_url: str) -> tuple[str, str]:
+    """A job of mallory's on its first attempt, RUNNING (as the dispatcher leaves one), and that attempt's token."""
+    from sqlmodel import Session
+
+    from service import attempt_tokens
+    from service.db import make_engine
+    from service.models import Attempt, Job, JobState
+    from service.spec import JobSpec
+
+    engine = make_engine(db_url)
+    job = Job(name="flood", owner="mallory", spec=JobSpec.model_validate(SPEC).model_dump(mode="json"),
+              state=JobState.RUNNING, attempt=1)  # fmt: skip
+    with Session(engine) as session:
+        session.add(job)
+        session.commit()
+        session.add(Attempt(job_id=job.id, number=1, submission_id=f"shunter-{job.id}-1"))
+        session.commit()
+        job_id = job.id
+    engine.dispose()
+    return job_id, attempt_tokens.issue(job_id, 1, SECRET)
+
+
+class Flood:
+    def __init__(self, url: str, job_id: str, token: str) -> None:
+        self.url, self.job_id, self.token = url, job_id, token
+        self.stop = threading.Event()
+        self.got: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self.threads = [
+            *(threading.Thread(target=self._reports, daemon=True) for _ in range(4)),
+            threading.Thread(target=self._sweeps, daemon=True),
+            *(threading.Thread(target=self._logs, daemon=True) for _ in range(8)),
+        ]
+
+    def _count(self, what: str, r: httpx.Response | None) -> None:
+        code = "error" if r is None else ("ok" if r.status_code < 300 else str(r.status_code))
+        with self._lock:
+            self.got[f"{what} {code}"] += 1
+
+    def _loop(self, what: str, headers: dict[str, str], call: Any) -> None:
+        with httpx.Client(base_url=self.url, headers=headers, timeout=60) as c:
+            while not self.stop.is_set():
+                try:
+                    self._count(what, call(c))
+                except httpx.HTTPError:
+                    self._count(what, None)
+
+    def _reports(self) -> None:
+        body = {"metrics": {f"m{k}": float(k) for k in range(256)}, "step": 1}
+        path = f"/internal/v1/attempts/{self.job_id}/1/report"
+        self._loop("report", {"Authorization": f"Bearer {self.token}"}, lambda c: c.post(path, json=body))
+
+    def _sweeps(self) -> None:
+        body = {"base": SPEC | {"config": {"blob": "x" * 4000}}, "count": 100}
+        self._loop("sweep", {"Authorization": f"Bearer {MALLORY}"}, lambda c: c.post("/v1/sweeps", json=body))
+
+    def _logs(self) -> None:
+        path = f"/v1/jobs/{self.job_id}/logs"
+        self._loop("log read", {"Authorization": f"Bearer {MALLORY}"}, lambda c: c.get(path))
+
+    def __enter__(self) -> Flood:
+        for t in self.threads:
+            t.start()
+        time.sleep(3.0)  # under way before alice's first submit
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=90)
+
+
+def run(kind: str, n: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp, common.fresh_db(kind, Path(tmp)) as db_url:
+        port = free_port()
+        env = common.base_env(
+            SHUNTER_DATABASE_URL=db_url, SHUNTER_PORT=str(port), SHUNTER_DATA_DIR=str(Path(tmp) / "data"),
+            SHUNTER_STORAGE_URI=str(Path(tmp) / "storage"), SHUNTER_BACKEND=f"noop:{Path(tmp) / 'noop'}",
+            SHUNTER_PROGRESS_SECRET=SECRET, SHUNTER_PUBLIC_URL=f"http://127.0.0.1:{port}",
+            SHUNTER_API_TOKENS=json.dumps({ALICE: {"owner": "alice"}, MALLORY: {"owner": "mallory"}}),
+        )  # fmt: skip
+        api = common.spawn(common.shunter_cmd("api"), env=env, log_path=Path(tmp) / "api.log")
+        url = f"http://127.0.0.1:{port}"
+        try:
+            common.wait_http(f"{url}/healthz", timeout=90, proc=api)
+            job_id, token = running_job_of_mallory(db_url)
+            submits(url, 30)  # warm: connections, caches
+            quiet = summary(submits(url, n))
+            log(f"quiet: alice's submit p50 {quiet['p50_ms']} ms, p99 {quiet['p99_ms']} ms")
+            with Flood(url, job_id, token) as flood:
+                started = time.monotonic()
+                loud = summary(submits(url, n))
+                seconds = time.monotonic() - started
+            log(f"flood: alice's submit p50 {loud['p50_ms']} ms, p99 {loud['p99_ms']} ms; mallory got "
+                f"{dict(flood.got)} in {seconds:.0f} s")  # fmt: skip
+        finally:
+            common.stop(api)
+            with contextlib.suppress(OSError):
+                log_tail = (Path(tmp) / "api.log").read_text()[-2000:]
+                if "Traceback" in log_tail:
+                    log(f"api log ends:\n{log_tail}")
+    return {"db": kind, "quiet": quiet, "flood": loud, "p99_ratio": round(loud["p99_ms"] / quiet["p99_ms"], 2),
+            "p50_ratio": round(loud["p50_ms"] / quiet["p50_ms"], 2), "mallory": dict(flood.got),
+            "flood_seconds": round(seconds, 1)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--db", choices=("postgres", "sqlite"), default="postgres")
+    parser.add_argument("--submits", type=int, default=300, help="alice's submits in each phase")
+    args = parser.parse_args(argv)
+    result = run(args.db, args.submits)
+    print(json.dumps(result, indent=2))
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
