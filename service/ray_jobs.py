@@ -20,6 +20,7 @@ import httpx
 
 from service.backend import SUBMISSION_PREFIX, ClusterView, NodeView, RayJobInfo
 from service.errors import InfraError
+from service.resources import sum_of
 
 log = logging.getLogger(__name__)
 RECONNECT_MIN_SECONDS, RECONNECT_MAX_SECONDS = 0.5, 10.0
@@ -289,7 +290,7 @@ class RayJobs:
                     pg_id=g.placement_group_id.hex(), job_id=g.creator_job_id.hex(),
                     actor_id=None if g.creator_actor_id.strip(b"\xff") == b"" else g.creator_actor_id.hex(),
                     detached=g.is_detached, removed=g.state == removed,
-                    resources=_bundle_total(g.bundles),
+                    resources=sum_of(dict(b.unit_resources) for b in g.bundles),
                 )
                 for g in table.placement_group_table_data
             }  # fmt: skip
@@ -311,8 +312,8 @@ class RayJobs:
             for pg_id in orphaned(live, dead_jobs=dead_jobs, dead_actors=dead_actors):
                 groups_rpc.RemovePlacementGroup(pb.RemovePlacementGroupRequest(placement_group_id=bytes.fromhex(pg_id)),
                                                 timeout=5)  # fmt: skip
-                freed.append(groups[pg_id])
                 group = groups[pg_id]
+                freed.append(group)
                 log.warning("removed placement group %s, which Ray still held for ended Ray job %s (made by actor %s, "
                             "dead): %s", pg_id, group.job_id, group.actor_id, group.resources)  # fmt: skip
             return freed
@@ -353,11 +354,3 @@ class RayJobs:
                         remaining -= take
         self.head_node_id = head
         return ClusterView(nodes=nodes, dead_nodes=dead)
-
-
-def _bundle_total(bundles: Iterable[Any]) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for bundle in bundles:
-        for key, value in bundle.unit_resources.items():
-            total[key] = total.get(key, 0.0) + float(value)
-    return total
