@@ -12,17 +12,15 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
 
-from service.ray_local import dashboard_answers, free_port, head_environment, head_processes
+from service.ray_local import RAY_START, dashboard_answers, free_port, head_environment, head_processes
 from tests.conftest import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
-RAY = str(Path(sys.executable).parent / "ray")
 REDIS = ("127.0.0.1", 6379)
 
 
@@ -94,7 +92,7 @@ class ExternalHead(_Node):
         # this address on their command lines, which `ray start` would take for a head still running.)
         Path(self.temp_dir, "ray_current_cluster").unlink(missing_ok=True)
         self._spawn([
-            RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+            *RAY_START, "--head", "--block", "--node-ip-address=127.0.0.1",
             f"--port={self.port}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
             f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={self.client_port}",
             f"--dashboard-agent-listen-port={self.agent_port}", f"--temp-dir={self.temp_dir}",
@@ -127,7 +125,7 @@ class WorkerNode(_Node):
         env["RAY_gcs_rpc_server_reconnect_timeout_s"] = str(self.reconnect_seconds)
         self._spawn([
             "unshare", "--pid", "--fork", "--mount-proc",
-            RAY, "start", "--block", f"--address={self.head.gcs_address}", "--node-ip-address=127.0.0.1",
+            *RAY_START, "--block", f"--address={self.head.gcs_address}", "--node-ip-address=127.0.0.1",
             f"--num-cpus={self.num_cpus}", f"--temp-dir={self.temp_dir}",
             f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats",
         ], env)  # fmt: skip

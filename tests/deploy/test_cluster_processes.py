@@ -27,7 +27,7 @@ from sqlalchemy import text
 from api.client import Client
 from service.db import make_engine
 from service.ray_jobs import RayJobs
-from service.ray_local import LocalHead, ensure_local_head, free_port, head_environment, stop_local_head
+from service.ray_local import RAY_START, LocalHead, ensure_local_head, free_port, head_environment, stop_local_head
 from tests.conftest import wait_for
 from tests.service.conftest import fresh_pg_database, train_worker_nodes
 from tests.service.test_e2e_serve import mlp_spec
@@ -111,7 +111,7 @@ def two_node_ray(tmp_path: Path) -> Iterator[TwoNodeRay]:
         # The worker node's processes inherit this: the venv on PATH (`python -m workers.driver`), the checkout on
         # PYTHONPATH (`examples.mlp`), graceful stops.
         cmd = [
-            str(Path(sys.executable).parent / "ray"), "start", f"--address={head.gcs_address}",
+            *RAY_START, f"--address={head.gcs_address}",
             "--node-ip-address=127.0.0.1", "--num-cpus=1", "--num-gpus=0", "--resources=" + json.dumps({"node_b": 1}),
             # Ports that default to fixed numbers collide with the head's (or another engineer's) on one machine.
             f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",

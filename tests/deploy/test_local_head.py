@@ -1,9 +1,13 @@
-"""`ensure_local_head`, on real `ray start` processes: a head that never becomes ready is stopped, whole, and started
-again on fresh ports before the error reaches the caller; one that comes up is re-attached to, not started twice."""
+"""`ensure_local_head`, on real `ray start` processes (through `service.ray_start`): a head that never becomes ready
+is stopped, whole, and started again on fresh ports before the error reaches the caller; one that comes up is
+re-attached to, not started twice."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -12,6 +16,7 @@ import pytest
 from service import ray_local
 from service.errors import InfraError
 from service.ray_local import _temp_dir_for, ensure_local_head, head_processes, stop_local_head
+from service.ray_start import LAUNCHER
 from tests.conftest import wait_for
 
 
@@ -46,6 +51,17 @@ def test_a_ready_head_is_reattached_not_started_again(tmp_path: Path) -> None:
         wait_for(agent, what="the raylet's dashboard agent")
         everything = head_processes(head.temp_dir)
         assert any("ray.util.client.server" in " ".join(_cmdline(pid)) for pid in everything)
+        # Its workers start through shunter's launcher (service.ray_start), and a task's runtime env still reaches
+        # the task: a real Ray worker, started by the raylet, ran it.
+        raylet = next(pid for pid, name in core.items() if name == "raylet")
+        assert LAUNCHER in " ".join(_cmdline(raylet))
+        task = (
+            "import os, ray; ray.init(address=os.environ['A'], runtime_env={'env_vars': {'T': 'x${HOME}'}});"
+            "print(ray.get(ray.remote(lambda: os.environ['T']).remote()))"
+        )
+        ran = subprocess.run([sys.executable, "-c", task], env={**os.environ, "A": head.gcs_address},
+                             capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        assert ran.stdout.strip().endswith(f"x{os.environ['HOME']}"), ran.stdout[-1000:] + ran.stderr[-2000:]
     finally:
         stop_local_head(data_dir)
     assert head_processes(_temp_dir_for(data_dir)) == []

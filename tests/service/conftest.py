@@ -25,6 +25,7 @@ from service.db import make_engine, reachable
 from service.migrate import upgrade
 from service.ray_jobs import RayJobs
 from service.ray_local import LocalHead, free_port
+from service.ray_start import LAUNCHER
 from tests.conftest import wait_for
 
 PG_ADMIN_URL = os.environ.get("SHUNTER_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
@@ -263,7 +264,7 @@ class MultiNode:
         head's IP would count as one."""
         node = self.cluster.add_node(  # type: ignore[attr-defined]
             num_cpus=1, resources={f"node_{name}": 1}, node_ip_address=f"127.0.0.{2 + WORKER_NAMES.index(name)}",
-            env_vars=env_vars,
+            env_vars=env_vars, setup_worker_path=LAUNCHER,
         )  # fmt: skip
         self.workers[name] = node
         if env_vars:
@@ -327,6 +328,7 @@ def multinode_cluster(tmp: Path) -> Iterator[MultiNode]:
             "dashboard_host": "127.0.0.1",
             "dashboard_port": dashboard_port,
             "resources": {"head": 1},
+            "setup_worker_path": LAUNCHER,  # as service.ray_start's nodes: Ray's set-up step without importing Ray
             # A node removed without grace is given up after 3 missed health checks 1 s apart instead of Ray's 5
             # at 3 s (15 s a node-loss test waits); each check still has Ray's 10 s to be answered, so a node slow
             # under load is not given up.
