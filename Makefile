@@ -26,6 +26,9 @@ demo: install
 # its own session Ray head. One lane alone left a core idle a quarter of the time (an attempt's start is a chain of
 # single-threaded process starts); the slow tier's waits are bounded by events and generous timeouts, not by the
 # machine being otherwise idle. Both runs always run.
+# The warm-up (DeepSpeed's shm_comm op, ~38 s of one core when not cached) builds beside the quick tier, whose last
+# minutes leave a core idle, and is waited for before the slow tier, the one that needs it; a quick test that loads
+# the op meanwhile waits on torch's build lock and then loads the same build.
 # compileall: every process the tests start imports shunter's own modules (the API, dispatchers, Ray Job drivers,
 # Ray Train's controllers and workers), and where PYTHONDONTWRITEBYTECODE is set, as on these machines, each of them
 # compiled them again from source: ~0.7 CPU-s more for each `shunter serve` start here (1.9 against 1.2).
@@ -34,10 +37,11 @@ demo: install
 # off by CI with nothing kept. Unset: no limit.
 LEFT = $$(( (left = $${SHUNTER_TEST_DEADLINE:-$$(( $$(date +%s) + 864000 ))} - $$(date +%s)) > 1 ? left : 1 ))
 test: install
-	$(PY) -m workers.warmup
 	$(PY) -m compileall -q -j 0 api service workers examples tests bench
 	rc=0; \
+	$(PY) -m workers.warmup > .warmup.log 2>&1 & warmup=$$!; \
 	timeout -s INT -k 60 $(LEFT) $(PY) -m pytest -m "not slow" -n 3 --maxschedchunk 1 $(PYTEST_ARGS) || rc=$$?; \
+	wait $$warmup || { cat .warmup.log; echo "workers.warmup failed" >&2; rc=1; }; \
 	timeout -s INT -k 60 $(LEFT) $(PY) -m pytest -m slow -n 2 --dist loadscope $(PYTEST_ARGS) || rc=$$?; \
 	exit $$rc
 

@@ -214,7 +214,20 @@ def run_recipe_case(name: str, phase: str, run_dir: Path) -> dict[str, Any]:
     losses = [float(r["loss"]) for r in mine if r.get("loss") is not None]
     if not (run_dir / "model" / "config.json").is_file():
         raise AssertionError("the recipe saved no final model")
-    return {"losses": losses, "times": times, "checks": {"steps": steps[:2] + steps[-1:]}, "steps": steps[-1]}
+    # The saved model loads as a Hugging Face model and has learned: ZeRO-3 gathers its sharded weights to save them.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(run_dir / "model", local_files_only=True)
+    ids = torch.tensor([list(b"the quick brown fox")])
+    with torch.no_grad():
+        loaded_loss = float(saved(input_ids=ids, labels=ids).loss)
+    if not loaded_loss < 5.0:  # untrained: ln(256) = 5.5
+        raise AssertionError(
+            f"the saved model's loss is {loaded_loss:.3f}: it did not learn, or was saved unsharded wrong"
+        )
+    checks = {"steps": steps[:2] + steps[-1:], "loaded_loss": loaded_loss}
+    return {"losses": losses, "times": times, "checks": checks, "steps": steps[-1]}
 
 
 def worker(names: list[str], phase: str, run_dir: Path, block_ray: bool) -> int:

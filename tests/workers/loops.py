@@ -72,7 +72,9 @@ def strategy_loop(config: dict[str, Any]) -> None:
                 records.append({"step": prepared.step, "loss": loss.item(), "time": time.monotonic()})
                 every = config.get("checkpoint_every", 0)
                 prepared.report(
-                    loss=loss, checkpoint=prepared.step == config["steps"] or bool(every and prepared.step % every == 0)
+                    loss=loss,
+                    checkpoint=prepared.step == config["steps"] or bool(every and prepared.step % every == 0),
+                    **config.get("metrics", {}),
                 )
                 marker = out / "crashed"
                 if prepared.step == config.get("crash_at") and rank == 1 and not marker.exists():
@@ -87,6 +89,21 @@ def strategy_loop(config: dict[str, Any]) -> None:
     if rank == 0:
         torch.save(final, out / f"{tag}-final.pt")
         (out / f"{tag}-records.json").write_text(json.dumps(records))
+
+
+def strategy_cases_loop(config: dict[str, Any]) -> None:
+    """`strategy_loop` for each of `config["cases"]` in turn, in one worker group: one fit's process starts, imports
+    and process group for several strategies (issue 34), each case a run of its own. Each case starts as a new run
+    would, from its own `resume_from` or from nothing, not from the checkpoint the case before it reported last (Ray
+    Train hands a worker that one, as it would to a restarted worker group of the same run)."""
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    for case in config["cases"]:
+        get_train_context().checkpoint = None
+        try:
+            strategy_loop(case)
+        except Exception as exc:
+            raise RuntimeError(f"case {case['metrics']['case']}: {exc}") from exc
 
 
 def full_loss(name: str, state: dict[str, torch.Tensor] | None = None) -> float:

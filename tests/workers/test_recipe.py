@@ -11,9 +11,11 @@ from service.spec import JobSpec
 from workers.entrypoint import train_loop_for
 
 # DDP's run of the recipe is tests/service/test_strategies_e2e.py's, through the service (the same steps and checks).
+# ZeRO-3's is the GPU tier's `zero3_reference_cpu` case (tests/gpu/test_tier.py, in the slow tier on CPU): the guide's
+# ds_config.json, trained, checkpointed, resumed, and its saved model loaded with transformers and checked to have
+# learned, as here; issue 34 took its fit here off the slow tier.
 STRATEGIES = {
     "fsdp": {"kind": "fsdp"},
-    "zero3": {"kind": "deepspeed", "deepspeed": {"zero_stage": 3}},
 }
 
 
