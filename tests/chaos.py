@@ -148,7 +148,7 @@ class Chaos:
             "SHUNTER_RAY_DASHBOARD_URL": self.head.dashboard_url,
             "SHUNTER_STORAGE_URI": str(self.work / "checkpoints"), "SHUNTER_DATA_DIR": str(self.work / name),
             "SHUNTER_DISPATCHER_TICK_SECONDS": "0.25", "SHUNTER_LEASE_SECONDS": "5",
-            "SHUNTER_TRAIN_POLL_SECONDS": "0.1", "PYTHONUNBUFFERED": "1", **extra,
+            "PYTHONUNBUFFERED": "1", **extra,
         })  # fmt: skip
         return env
 

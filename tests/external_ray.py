@@ -141,7 +141,7 @@ def serve_against(head: ExternalHead, tmp_path: Path, **extra: str) -> Any:
         "SHUNTER_DATABASE_URL": f"sqlite:///{tmp_path / 'shunter.db'}", "SHUNTER_DATA_DIR": str(tmp_path),
         "SHUNTER_STORAGE_URI": str(tmp_path / "checkpoints"), "SHUNTER_RAY_ADDRESS": head.gcs_address,
         "SHUNTER_RAY_DASHBOARD_URL": head.dashboard_url, "SHUNTER_PORT": str(port),
-        "SHUNTER_DISPATCHER_TICK_SECONDS": "0.25", "SHUNTER_LEASE_SECONDS": "5", "SHUNTER_TRAIN_POLL_SECONDS": "0.1",
+        "SHUNTER_DISPATCHER_TICK_SECONDS": "0.25", "SHUNTER_LEASE_SECONDS": "5",
         "PYTHONUNBUFFERED": "1", **extra,
     })  # fmt: skip
     return Service(data_dir=tmp_path, port=port, env=env).start()

@@ -160,7 +160,6 @@ def shunter_env(tmp_path: Path, name: str, *, pg_url: str, head: LocalHead, port
             "SHUNTER_DATA_DIR": str(tmp_path / name),
             "SHUNTER_DISPATCHER_TICK_SECONDS": "0.25",
             "SHUNTER_LEASE_SECONDS": "5",
-            "SHUNTER_TRAIN_POLL_SECONDS": "0.1",
             "PYTHONUNBUFFERED": "1",
         }
     )

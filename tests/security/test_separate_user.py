@@ -83,7 +83,7 @@ def _start(base: Path, home: Path, temp_dir: Path, storage: Path) -> Iterator[Ra
     bin_dir = str(Path(sys.executable).parent)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(home), "PYTHONPATH": str(REPO), "LANG": "C.UTF-8",
            "RAY_USAGE_STATS_ENABLED": "0", "RAY_JOB_STOP_SIGNAL": "SIGINT", "OMP_NUM_THREADS": "1",
-           "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}  # fmt: skip
+           "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}  # fmt: skip
     check = _as_ray_user([sys.executable, "-c", "import ray, torch, examples.mlp, tests.security.probe"], env,
                          cwd=str(home), timeout=120)  # fmt: skip
     if check.returncode != 0:  # a permissions regression of the checkout, the venv or the layout: a failure

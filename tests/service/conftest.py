@@ -137,7 +137,6 @@ def service_env(data_dir: Path, head: LocalHead, port: int, **extra: str) -> dic
             "SHUNTER_RAY_DASHBOARD_URL": head.dashboard_url,
             "SHUNTER_PORT": str(port),
             "SHUNTER_DISPATCHER_TICK_SECONDS": "0.25",
-            "SHUNTER_TRAIN_POLL_SECONDS": "0.1",
             "PYTHONUNBUFFERED": "1",
         }
     )
