@@ -85,6 +85,14 @@ def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def report_rows(metrics: dict[str, Any], checkpoint_uri: str | None, *, progress: bool = True) -> int:
+    """The rows one report writes: a metric row per number other than `step` (none for a report that is not
+    progress), and a checkpoint's two (its row and its event). The API's per-attempt rate and the total cap count
+    the same rows."""
+    numeric = [name for name in _numeric(metrics) if name != "step"] if progress else []
+    return len(numeric) + (2 if checkpoint_uri else 0)
+
+
 def record_report(
     engine: Engine,
     *,
@@ -148,7 +156,7 @@ def record_report(
         if replay:
             session.commit()
             return True
-        rows = len([name for name in numeric if name != "step"]) + (2 if checkpoint_uri else 0)
+        rows = report_rows(metrics, checkpoint_uri, progress=progress)
         if not _take_rows(session, job_id=job_id, attempt=attempt, rows=rows, max_rows=max_rows):
             session.rollback()
             raise _over_cap(engine, job_id=job_id, attempt=attempt, max_rows=max_rows or 0)

@@ -162,7 +162,8 @@ def report(scope: Scope, body: ReportBody, rt: RuntimeDep, settings: SettingsDep
     """One `ray.train.report` of rank 0 (and its checkpoint); `recorded: false` once the attempt is not current. 429
     beyond the attempt's rate or total of rows (`attempt_rows_per_second`, `attempt_max_rows`)."""
     job_id, attempt = scope
-    _within_rate(rt, settings, job_id, attempt, len(body.metrics) + (2 if body.checkpoint_uri else 0))
+    rows = progress.report_rows(dict(body.metrics), body.checkpoint_uri, progress=body.progress)
+    _within_rate(rt, settings, job_id, attempt, rows)
     recorded = progress.record_report(
         rt.engine, job_id=job_id, attempt=attempt, metrics=dict(body.metrics), checkpoint_uri=body.checkpoint_uri,
         checkpoint_complete=body.checkpoint_complete, keep=body.keep, report_index=body.step, progress=body.progress,

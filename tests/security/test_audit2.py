@@ -511,3 +511,20 @@ def test_4_a_report_of_an_attempt_with_no_row_is_stored_uncounted(db: Engine, tm
         r = _report(api, job_id, {"metrics": {"loss": 0.5}, "step": 1})
         assert r.status_code == 200 and r.json() == {"recorded": True}, r.text
     attempt_tokens.forget_cached_keys()
+
+
+@pytest.mark.parametrize(
+    ("metrics", "checkpoint", "progress", "rows"),
+    [({"loss": 1.0, "lr": 0.1}, None, True, 2), ({"step": 3, "loss": 1.0}, None, True, 1),
+     ({"loss": 1.0, "note": "text", "flag": True, "bad": float("nan")}, None, True, 1), ({}, "/ckpt/1", True, 2),
+     ({"step": 1, "loss": 1.0}, "/ckpt/1", True, 3), ({"loss": 1.0}, "/ckpt/1", False, 2),
+     ({"loss": 1.0}, None, False, 0)],
+)  # fmt: skip
+def test_4_the_rate_and_the_total_count_the_rows_a_report_writes(
+    metrics: dict, checkpoint: str | None, progress: bool, rows: int
+) -> None:
+    """The per-attempt rate (API) and the total (database) count one report alike: a row per stored number but
+    `step`, two for a checkpoint (the rate counted every metric name given, `step` and text included)."""
+    from service.progress import report_rows
+
+    assert report_rows(metrics, checkpoint, progress=progress) == rows
