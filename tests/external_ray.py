@@ -62,6 +62,9 @@ class _Node:
         wait_for(lambda: not head_processes(self.temp_dir), timeout=30, what="the node's processes to end")
 
 
+STARTED = "This command will now block forever"  # what `ray start --block` says once its node runs
+
+
 class ExternalHead(_Node):
     """A `ray start --head --block` at fixed ports. With `fault_tolerant`, its GCS keeps the cluster's state in Redis
     (a namespace of its own): a head started again after a kill is the same cluster, with the same jobs."""
@@ -87,18 +90,43 @@ class ExternalHead(_Node):
             env.update(RAY_REDIS_ADDRESS=f"{REDIS[0]}:{REDIS[1]}", RAY_external_storage_namespace=self.namespace)
         return env
 
-    def start(self) -> None:
-        # A new head machine or pod has no record of the last cluster on its disk. (Here other nodes' processes name
-        # this address on their command lines, which `ray start` would take for a head still running.)
-        Path(self.temp_dir, "ray_current_cluster").unlink(missing_ok=True)
-        self._spawn([
-            *RAY_START, "--head", "--block", "--node-ip-address=127.0.0.1",
-            f"--port={self.port}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={self.client_port}",
-            f"--dashboard-agent-listen-port={self.agent_port}", f"--temp-dir={self.temp_dir}",
-            f"--num-cpus={self.num_cpus}", "--disable-usage-stats",
-        ], self.environment())  # fmt: skip
-        wait_for(lambda: dashboard_answers(self.dashboard_url), timeout=120, what="the Ray head's dashboard")
+    def start(self, tries: int = 3) -> None:
+        """Start the head and wait until `ray start` says it runs and the dashboard answers. A start that fails is
+        cleared away and made again at the same ports, `tries` times in all, as `service.ray_local.ensure_local_head`
+        does for shunter's own head: Ray 2.60's raylet gives its dashboard agent a fixed 15 s to write its ports and
+        aborts past it, which an agent importing on a loaded 2-core machine can miss (a slow-tier run saw the chaos
+        run's restarted head die so, and the run then waited out its whole timeout on a head that was not there)."""
+        for attempt in range(1, tries + 1):
+            # A new head machine or pod has no record of the last cluster on its disk. (Here other nodes' processes
+            # name this address on their command lines, which `ray start` would take for a head still running.)
+            Path(self.temp_dir, "ray_current_cluster").unlink(missing_ok=True)
+            log = Path(self.temp_dir) / "node.log"
+            said = log.read_text(errors="replace").count(STARTED) if log.exists() else 0
+            self._spawn([
+                *RAY_START, "--head", "--block", "--node-ip-address=127.0.0.1",
+                f"--port={self.port}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={self.client_port}",
+                f"--dashboard-agent-listen-port={self.agent_port}", f"--temp-dir={self.temp_dir}",
+                f"--num-cpus={self.num_cpus}", "--disable-usage-stats",
+            ], self.environment())  # fmt: skip
+            proc = self.proc
+            assert proc is not None
+            wait_for(
+                lambda p=proc, n=said: self._up_or_gone(p, n), timeout=180, what="`ray start --head` to start or end"
+            )
+            if proc.poll() is None:
+                return
+            tail = log.read_text(errors="replace")[-1500:]
+            self.kill()
+            if attempt == tries:
+                raise AssertionError(f"the Ray head did not start in {tries} tries; the last ended:\n{tail}")
+
+    def _up_or_gone(self, proc: subprocess.Popen[bytes], said: int) -> bool:
+        """`ray start` ended (the start failed), or said its node runs and the dashboard answers."""
+        if proc.poll() is not None:
+            return True
+        log = Path(self.temp_dir) / "node.log"
+        return log.read_text(errors="replace").count(STARTED) > said and dashboard_answers(self.dashboard_url)
 
     def forget(self) -> None:
         """Delete the cluster's state from Redis (fault-tolerant heads), once every node is gone."""
