@@ -49,6 +49,7 @@ from service.reconcile import (
 )
 from service.settings import Settings
 from service.spec import JobSpec
+from service.spec_cache import SpecCache, stored_size
 from service.stall_watch import StallWatch
 from service.state import transition
 
@@ -71,7 +72,7 @@ class Dispatcher(Finishing, HostEffects):
         self._started = False
         self._warm = False  # the backend's client made ahead of the first submission (after the first tick)
         self._stop_sent: dict[str, float] = {}
-        self._specs: dict[str, tuple[JobSpec | None, str | None]] = {}
+        self._specs: SpecCache[tuple[JobSpec | None, str | None]] = SpecCache()
         self._faults: dict[str, float] = {}  # job id -> when its reconcile first failed unexpectedly (monotonic)
         self._pool = ThreadPoolExecutor(max_workers=settings.dispatcher_threads, thread_name_prefix="reconcile")
         self.last_tick_seconds = 0.0
@@ -154,17 +155,17 @@ class Dispatcher(Finishing, HostEffects):
 
     # ---- facts about one job --------------------------------------------------------------------------------
     def spec_of(self, job: Job) -> tuple[JobSpec | None, str | None]:
-        """The job's stored spec, or why it no longer validates. Specs never change, so each is parsed once."""
-        known = self._specs.get(job.id)
-        if known is None:
-            try:
-                known = (JobSpec.model_validate(job.spec), None)
-            except Exception as exc:  # noqa: BLE001 - a row of any shape must end only its own job
-                known = (None, f"spec: the stored job spec does not validate: {str(exc)[:1500]}")
-            if len(self._specs) > 50_000:
-                self._specs.clear()
-            self._specs[job.id] = known
-        return known
+        """The job's stored spec, or why it no longer validates. Specs never change, so each is parsed once (kept
+        within a byte bound: `service.spec_cache`)."""
+        kept, known = self._specs.get(job.id)
+        if kept and known is not None:
+            return known
+        try:
+            parsed: tuple[JobSpec | None, str | None] = (JobSpec.model_validate(job.spec), None)
+        except Exception as exc:  # noqa: BLE001 - a row of any shape must end only its own job
+            parsed = (None, f"spec: the stored job spec does not validate: {str(exc)[:1500]}")
+        self._specs.put(job.id, parsed, stored_size(job.spec))
+        return parsed
 
     def resources_of(self, job: Job) -> dict[str, float]:
         """What an admitted job holds: its group at the size it was admitted at."""

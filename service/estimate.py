@@ -37,6 +37,7 @@ from service.db import base_engine
 from service.models import ACTIVE_STATES, Attempt, ClusterSnapshot, EndReason, Job, JobState, utcnow
 from service.settings import Settings
 from service.spec import JobSpec
+from service.spec_cache import SpecCache, stored_size
 
 log = logging.getLogger(__name__)
 
@@ -160,23 +161,23 @@ def _refresh(engine: Any, settings: Settings) -> None:
         log.exception("estimating the queue failed")
 
 
-_specs: dict[tuple[str, str], JobSpec | None] = {}
+_specs: SpecCache[JobSpec | None] = SpecCache()
 
 
 def _spec(job: Job) -> JobSpec | None:
     """The job's stored spec (None if it no longer validates). A spec never changes: each is parsed once per process,
     by its id and hash (a row without a hash is parsed each time)."""
     key = (job.id, job.spec_hash) if job.spec_hash else None
-    if key is not None and key in _specs:
-        return _specs[key]
+    if key is not None:
+        kept, known = _specs.get(key)
+        if kept:
+            return known
     try:
         spec: JobSpec | None = JobSpec.model_validate(job.spec)
     except ValueError:
         spec = None
     if key is not None:
-        if len(_specs) > 50_000:
-            _specs.clear()
-        _specs[key] = spec
+        _specs.put(key, spec, stored_size(job.spec))
     return spec
 
 

@@ -528,3 +528,33 @@ def test_4_the_rate_and_the_total_count_the_rows_a_report_writes(
     from service.progress import report_rows
 
     assert report_rows(metrics, checkpoint, progress=progress) == rows
+
+
+def test_3_parsed_specs_are_kept_within_a_byte_bound() -> None:
+    """The dispatcher's and the estimate's parsed specs were bounded by count alone (50,000 entries, of any size).
+    Now by the bytes of the specs they hold: least recently used first out, and one larger than the bound not kept."""
+    from service.spec_cache import SpecCache
+
+    cache: SpecCache[str | None] = SpecCache(max_bytes=1000)
+    for k in range(5):
+        cache.put(k, f"v{k}", 300)
+    assert len(cache) == 3 and cache.bytes == 900 and cache.get(0) == (False, None)
+    assert cache.get(2) == (True, "v2")  # now the most recently used: 3 goes first
+    cache.put("bad", None, 300)  # a spec that does not parse is kept as such
+    assert cache.get(3) == (False, None) and cache.get("bad") == (True, None) and cache.get(2) == (True, "v2")
+    cache.put("huge", "h", 1001)
+    assert cache.get("huge") == (False, None) and cache.bytes <= 1000
+
+
+def test_3_the_estimates_parsed_specs_stay_within_their_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    from service import estimate
+    from service.spec_cache import SpecCache, stored_size
+
+    monkeypatch.setattr(estimate, "_specs", SpecCache(max_bytes=64 << 10))
+    big = {**SPEC, "config": {"blob": "x" * (20 << 10)}}
+    jobs = [Job(id=f"j{k}", name="j", owner="o", spec=big, spec_hash=f"h{k}") for k in range(10)]
+    for job in jobs:
+        parsed = estimate._spec(job)
+        assert parsed is not None and parsed.config["blob"] == big["config"]["blob"]
+    assert estimate._specs.bytes <= 64 << 10 and len(estimate._specs) == (64 << 10) // stored_size(big)
+    assert estimate._spec(jobs[-1]) is estimate._spec(jobs[-1])  # kept: parsed once
