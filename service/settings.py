@@ -134,6 +134,9 @@ class Settings(BaseSettings):
     job_fault_patience_seconds: float = Field(60.0, gt=0)
     admit_batch: int = Field(64, ge=1, le=10_000, description="queued jobs one admission pass considers")
     max_sweep_members: int = Field(1000, ge=1, le=100_000, description="the most jobs one POST /v1/sweeps makes")
+    max_sweep_bytes: int = Field(
+        16 << 20, ge=1024, description="the most bytes of job specs one POST /v1/sweeps stores, its members together"
+    )
 
     # The managed local Ray head (only when ray_address is unset).
     local_ray_num_cpus: int | None = None

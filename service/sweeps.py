@@ -23,6 +23,7 @@ from service.errors import Conflict, InvalidSpec, NotFound
 from service.jobs import Caller
 from service.models import Job, JobState, Metric, Sweep, utcnow
 from service.settings import Settings
+from service.spec_cache import stored_size
 from service.sweep_spec import SweepRequest, member_specs
 
 
@@ -50,6 +51,11 @@ def create(
         field = "grid" if request.grid else ("points" if request.points else "count")
         raise InvalidSpec(f"{field}: makes {size} members, more than this service's max_sweep_members ({cap})",
                           field=field)  # fmt: skip
+    per_member = stored_size(request.base.model_dump(mode="json", exclude_unset=True))
+    budget = settings.max_sweep_bytes
+    if size * per_member > budget:  # checked before any member is made: the base is each member's least
+        raise InvalidSpec(f"base: {size} members of a {per_member:,}-byte spec are {size * per_member:,} bytes, more "
+                          f"than this service's max_sweep_bytes ({budget:,})", field="base")  # fmt: skip
     members = member_specs(request)
     sweep = Sweep(
         name=request.name,

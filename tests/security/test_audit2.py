@@ -558,3 +558,23 @@ def test_3_the_estimates_parsed_specs_stay_within_their_bound(monkeypatch: pytes
         assert parsed is not None and parsed.config["blob"] == big["config"]["blob"]
     assert estimate._specs.bytes <= 64 << 10 and len(estimate._specs) == (64 << 10) // stored_size(big)
     assert estimate._spec(jobs[-1]) is estimate._spec(jobs[-1])  # kept: parsed once
+
+
+def test_3_a_sweep_whose_members_would_store_too_many_bytes_is_refused_before_any_is_made(
+    db: Engine,  # noqa: F811 - the imported fixture
+    tmp_path: Path,
+) -> None:
+    """One 447 KB `POST /v1/sweeps` (count 100) stored 43 MiB of member specs. Now the members' bytes together have
+    a bound (`max_sweep_bytes`): beyond it a 422 naming `base`, with nothing stored; under it the sweep is made."""
+    attempt_tokens.forget_cached_keys()
+    base = {**SPEC, "config": {"blob": "x" * (40 << 10)}}  # ~40 KiB a member
+    with live_api(db, tmp_path, api_tokens={ALICE: {"owner": "alice"}}, max_sweep_bytes=1 << 20) as api:
+        auth = {"Authorization": f"Bearer {ALICE}"}
+        refused = httpx.post(f"{api.url}/v1/sweeps", json={"base": base, "count": 30}, headers=auth, timeout=30)
+        assert refused.status_code == 422 and refused.json()["field"] == "base", refused.text
+        assert "max_sweep_bytes" in refused.json()["detail"]
+        with Session(api.engine) as session:
+            assert session.exec(select(Job)).all() == []
+        made = httpx.post(f"{api.url}/v1/sweeps", json={"base": base, "count": 20}, headers=auth, timeout=30)
+        assert made.status_code == 201, made.text
+    attempt_tokens.forget_cached_keys()
