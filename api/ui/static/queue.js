@@ -9,6 +9,10 @@
   const jobs = new Map(); // id -> JobPublic
   const rows = new Map(); // id -> [signature, <tr>]
   const refreshing = new Set();
+  // State events applied, per job. A read of the job (the list, or the job alone) asked for before the job's latest
+  // one may be older than it: its state is not taken (the event's own refresh reads the job again). Under load a
+  // relist answered after a cancel's event showed the cancelled job QUEUED again, then CANCELLED.
+  const changes = new Map(); // id -> count
   let refreshTimer = null;
   let relistTimer = null;
 
@@ -170,8 +174,10 @@
     if (ids.length > 20) return relist();
     await Promise.all(
       ids.map(async (id) => {
+        const asked = changes.get(id);
         try {
           const job = await S.json(`/v1/jobs/${encodeURIComponent(id)}`);
+          if (changes.get(id) !== asked) return; // a newer event came meanwhile: its own refresh follows
           const old = jobs.get(id);
           if (old && old.position && job.state === "QUEUED" && !job.position) job.position = old.position;
           jobs.set(id, job);
@@ -190,11 +196,12 @@
   // Positions shift for every queued job when one enters or leaves the queue: read the list again (not the stream).
   async function relist() {
     relistTimer = null;
+    const asked = new Map(changes);
     try {
       const page = await S.json(LIST);
       const fresh = new Map(page.items.map((j) => [j.id, j]));
       for (const id of [...jobs.keys()]) if (!fresh.has(id) && !S.TERMINAL.has(jobs.get(id).state)) jobs.delete(id);
-      for (const [id, job] of fresh) jobs.set(id, job);
+      for (const [id, job] of fresh) if (changes.get(id) === asked.get(id)) jobs.set(id, job); // else: as above
       update();
     } catch (_) {
       /* the next event tries again */
@@ -203,6 +210,7 @@
 
   function onEvent(event) {
     const job = jobs.get(event.job_id);
+    if (event.kind === "state" && event.to_state) changes.set(event.job_id, (changes.get(event.job_id) || 0) + 1);
     if (job && event.kind === "state" && event.to_state) {
       const wasQueued = job.state === "QUEUED";
       job.state = event.to_state;
