@@ -216,12 +216,16 @@
   }
 
   async function readAll() {
+    const asked = lastEvent;
     const [fresh, attempts, checkpoints, metrics] = await Promise.all([
       S.json(base),
       S.json(`${base}/attempts`),
       S.pages(`${base}/checkpoints`),
       S.json(`${base}/metrics?limit=100000`),
     ]);
+    // Asked for before an event that came meanwhile, the read may be older than it: the event's state stays (its own
+    // reload follows), as on the queue page.
+    if (job && lastEvent !== asked) fresh.state = job.state;
     job = fresh;
     renderJob();
     renderAttempts(attempts);
