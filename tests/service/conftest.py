@@ -261,10 +261,20 @@ class MultiNode:
         """Start worker node `name` (1 CPU, custom resource `node_<name>`) on its own address (127.0.0.2 for `a`, .3
         for `b`), as separate hosts are: Ray Train numbers nodes and local ranks by node IP, so nodes sharing the
         head's IP would count as one."""
-        node = self.cluster.add_node(  # type: ignore[attr-defined]
-            num_cpus=1, resources={f"node_{name}": 1}, node_ip_address=f"127.0.0.{2 + WORKER_NAMES.index(name)}",
-            env_vars=env_vars, setup_worker_path=LAUNCHER,
-        )  # fmt: skip
+        for attempt in (1, 2):
+            try:
+                node = self.cluster.add_node(  # type: ignore[attr-defined]
+                    num_cpus=1, resources={f"node_{name}": 1},
+                    node_ip_address=f"127.0.0.{2 + WORKER_NAMES.index(name)}", env_vars=env_vars,
+                    setup_worker_path=LAUNCHER,
+                )  # fmt: skip
+                break
+            except Exception as exc:
+                # Ray 2.60's raylet aborts when its dashboard agent has not written its ports within a fixed 15 s,
+                # which a loaded 2-core machine can miss (as tests/external_ray.py's heads did): start it once more.
+                if attempt == 2:
+                    raise
+                print(f"node {name} did not start ({exc}); starting it again")
         self.workers[name] = node
         if env_vars:
             self.swapped.add(name)
