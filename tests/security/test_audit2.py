@@ -578,3 +578,37 @@ def test_3_a_sweep_whose_members_would_store_too_many_bytes_is_refused_before_an
         made = httpx.post(f"{api.url}/v1/sweeps", json={"base": base, "count": 20}, headers=auth, timeout=30)
         assert made.status_code == 201, made.text
     attempt_tokens.forget_cached_keys()
+
+
+def test_3_a_spec_cache_shared_by_threads_keeps_its_bound() -> None:
+    """The dispatcher's reconcile threads and the API's request threads share one cache: gets and puts at once never
+    fail (an entry evicted between a lookup and its reordering) and the bytes counted stay those held."""
+    import sys
+    import threading
+
+    from service.spec_cache import SpecCache
+
+    cache: SpecCache[int] = SpecCache(max_bytes=5000)
+    failures: list[BaseException] = []
+
+    def churn(seed: int) -> None:
+        try:
+            for i in range(20_000):
+                key = (seed * 7 + i) % 64
+                cache.get(key)
+                cache.put(key, i, 100 + key * 10)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=churn, args=(n,)) for n in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two bytecodes, as a loaded machine may make them
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert failures == []
+    assert cache.bytes <= 5000 and cache.bytes == sum(size for _, size in cache._items.values())
