@@ -6,7 +6,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, Column, DateTime, Index, Text, text
+from sqlalchemy import JSON, BigInteger, Column, DateTime, Index, Text, text
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
@@ -65,6 +65,8 @@ class Job(SQLModel, table=True):
         Index("ix_jobs_sweep", "sweep_id", "sweep_index"),  # a sweep's members, in index order
         Index("ix_jobs_sweep_state", "sweep_id", "state"),  # max_parallel: the queued members of capped sweeps
         Index("ux_jobs_idempotency", "owner", "idempotency_key", unique=True),
+        # An owner's bytes of specs not yet ended (service.spec_budget): a SUM read from the index alone.
+        Index("ix_jobs_owner_state_spec_bytes", "owner", "state", "spec_bytes"),
     )
 
     id: str = Field(default_factory=new_job_id, primary_key=True, max_length=32)
@@ -76,6 +78,9 @@ class Job(SQLModel, table=True):
     state: JobState = Field(default=JobState.QUEUED, max_length=16)
     state_reason: str | None = Field(default=None, sa_column=Column(Text))
     spec: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    # The spec's size as stored (compact JSON, `service.spec_cache.stored_size`), counted against the owner's
+    # `max_queued_spec_bytes_per_owner` while the job has not ended.
+    spec_bytes: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
     attempt: int = 0
     idempotency_key: str | None = Field(default=None, max_length=255)
     spec_hash: str | None = Field(default=None, max_length=64)
@@ -306,3 +311,28 @@ class JobDependency(SQLModel, table=True):
     settled_at: datetime | None = Field(default=None, sa_column=_tz())
     # The dependency's latest complete checkpoint when it met the condition (what `${deps.<as>.checkpoint}` gives).
     checkpoint: str | None = Field(default=None, sa_column=Column(Text))
+
+
+class CodeArchive(SQLModel, table=True):
+    """One code archive `POST /v1/code` stored: the file is `<storage>/code/<owner>/<sha256>.zip`
+    (`service.code_store`), this row is `service.code_archives`'. Whose it is, its content digest, its size (counted
+    against the owner's `max_code_bytes_per_owner`), and when it was last uploaded or named by a submitted job: an
+    archive unused for `code_retention_days` and named by no job that has not ended is deleted, file and row. What else
+    is recorded of an archive at upload (digests to check it by when it is used) belongs here too, one row per archive.
+
+    Archives stored before this table existed have no row until they are first used (a submission naming one, or the
+    same content uploaded again): the row is made then, from the file."""
+
+    __tablename__ = "code_archive"
+    __table_args__ = (
+        Index("ux_code_archive_owner_sha256", "owner", "sha256", unique=True),  # also an owner's SUM(size)
+        Index("ix_code_archive_sha256", "sha256"),  # an admin's spec may name anyone's archive by its URI
+        Index("ix_code_archive_last_used", "last_used_at"),  # the expiry pass: the longest unused first
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    owner: str = Field(max_length=128)
+    sha256: str = Field(max_length=64)
+    size: int = Field(sa_column=Column(BigInteger, nullable=False))  # bytes of the zip as stored
+    created_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime(), nullable=False))
+    last_used_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime(), nullable=False))
