@@ -9,6 +9,7 @@ top-level folder is unpacked without that folder (Ray's rule for remote `working
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import ntpath
 import os
@@ -16,7 +17,7 @@ import re
 import tempfile
 import zipfile
 from pathlib import Path, PurePosixPath
-from typing import IO
+from typing import IO, Any
 
 from service.errors import InvalidSpec, ShunterError
 from service.settings import Settings
@@ -70,6 +71,58 @@ def is_owned_archive(uri: str, settings: Settings, owner: str) -> bool:
         return False
     name = uri[len(prefix) :]
     return name.endswith(".zip") and bool(_SHA256.fullmatch(name[: -len(".zip")]))
+
+
+def parse_uri(uri: str, settings: Settings) -> tuple[str, str] | None:
+    """(owner folder, sha256) when `uri` names a `POST /v1/code` archive of this service's storage (the scheme compared
+    as Ray compares it, case-insensitively); None for any other URI."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep:
+        return None
+    root = code_root_uri(settings) + "/"
+    normal = f"{scheme.lower()}://{rest}"
+    if not normal.startswith(root):
+        return None
+    folder, slash, name = normal[len(root) :].partition("/")
+    if not slash or not _SAFE_OWNER.fullmatch(folder) or ".." in folder or not name.endswith(".zip"):
+        return None
+    sha256 = name[: -len(".zip")]
+    return (folder, sha256) if _SHA256.fullmatch(sha256) else None
+
+
+def _object_path(settings: Settings, relative: str) -> tuple[str, Any]:
+    root, filesystem = filesystem_for(settings.absolute_storage_uri())
+    if filesystem is None:  # gs://, hdfs://, ...: pyarrow finds the filesystem from the URI
+        from pyarrow import fs
+
+        filesystem, root = fs.FileSystem.from_uri(root)
+    return f"{root.rstrip('/')}/{relative}", filesystem
+
+
+def stored_size(settings: Settings, folder: str, sha256: str) -> int | None:
+    """The bytes of the archive `<storage>/code/<folder>/<sha256>.zip`, or None when there is none."""
+    relative = f"{CODE_DIR}/{folder}/{sha256}.zip"
+    local = _local_root(settings)
+    if local is not None:
+        target = local.resolve() / relative
+        return target.stat().st_size if target.is_file() else None
+    from pyarrow import fs
+
+    path, filesystem = _object_path(settings, relative)
+    info = filesystem.get_file_info(path)
+    return int(info.size) if info.type == fs.FileType.File else None
+
+
+def remove(settings: Settings, folder: str, sha256: str) -> None:
+    """Delete the archive `<storage>/code/<folder>/<sha256>.zip`; one that is not there is no error."""
+    relative = f"{CODE_DIR}/{folder}/{sha256}.zip"
+    local = _local_root(settings)
+    if local is not None:
+        (local.resolve() / relative).unlink(missing_ok=True)
+        return
+    path, filesystem = _object_path(settings, relative)
+    with contextlib.suppress(FileNotFoundError):
+        filesystem.delete_file(path)
 
 
 def check_archive(handle: IO[bytes], *, max_entries: int = 20_000, max_unpacked_bytes: int = 1 << 30) -> None:
@@ -139,12 +192,7 @@ def store(settings: Settings, owner: str, handle: IO[bytes], sha256: str) -> str
                 Path(tmp).unlink(missing_ok=True)
                 raise
         return f"{code_root_uri(settings)}/{owner_segment(owner)}/{sha256}.zip"
-    root, filesystem = filesystem_for(settings.absolute_storage_uri())
-    if filesystem is None:  # gs://, hdfs://, ...: pyarrow finds the filesystem from the URI
-        from pyarrow import fs
-
-        filesystem, root = fs.FileSystem.from_uri(root)
-    path = f"{root.rstrip('/')}/{relative}"
+    path, filesystem = _object_path(settings, relative)
     filesystem.create_dir(path.rsplit("/", 1)[0], recursive=True)
     with filesystem.open_output_stream(path) as out:  # object stores make the object visible only when closed
         while chunk := handle.read(CHUNK):

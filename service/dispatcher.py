@@ -23,7 +23,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlmodel import Session, col, select
 
-from service import admission, leases, signals, submission
+from service import admission, code_archives, leases, signals, submission
 from service.backend import Backend, ClusterView, checked, submission_id
 from service.db import JOB_DATA_ERRORS, session_scope
 from service.errors import InfraError, InvalidSpec, StaleWrite
@@ -77,6 +77,7 @@ class Dispatcher(Finishing, HostEffects):
         self._pool = ThreadPoolExecutor(max_workers=settings.dispatcher_threads, thread_name_prefix="reconcile")
         self.last_tick_seconds = 0.0
         self._next_sweep = 0.0  # when to look for placement groups Ray left held (monotonic; `sweep_placement_groups`)
+        self._next_code_expiry = 0.0  # when to delete code archives nobody uses (monotonic; `expire_code_archives`)
         self._dead_nodes: dict[str, bool] = {}  # from the last cluster read (service.reconcile.decide)
         self.nodes = NodeHistory()  # which nodes went draining or dead, and when (bears out node_draining ends)
         self.late = LateLogs(engine=engine, ray=ray, files=self.files, owner=owner,
@@ -142,6 +143,7 @@ class Dispatcher(Finishing, HostEffects):
         self.late.step(self._pool.map)  # logs of attempts ended on their driver's word, once Ray's job has exited
         if cluster is not None:
             self.sweep_placement_groups()
+        self.expire_code_archives()
         if not self._warm:
             # The Ray Jobs client is made after the first tick, not inside the first submission (importing it and
             # Ray's version check take a few hundred ms); on this thread, as the tick's own imports of Ray are: a
@@ -207,6 +209,19 @@ class Dispatcher(Finishing, HostEffects):
             sweep()
         except Exception as exc:  # noqa: BLE001 - the GCS's own errors; the next sweep tries again
             log.warning("cannot sweep Ray's placement groups: %s", exc)
+
+    def expire_code_archives(self) -> list[tuple[str, str]]:
+        """Every `code_expiry_seconds`, delete the code archives unused for `code_retention_days` that no job that has
+        not ended names (`service.code_archives.expire`); returns (owner, sha256) of those deleted. Any dispatcher may:
+        each deletion re-reads its archive's row under a lock."""
+        if time.monotonic() < self._next_code_expiry:
+            return []
+        self._next_code_expiry = time.monotonic() + self.settings.code_expiry_seconds
+        try:
+            return code_archives.expire(self.engine, self.settings)
+        except Exception as exc:  # noqa: BLE001 - the database's or the storage's; the next pass tries again
+            log.warning("cannot expire code archives: %s", exc)
+            return []
 
     def _store_snapshot(self, cluster: ClusterView) -> None:
         with session_scope(self.engine) as session:

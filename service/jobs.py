@@ -15,7 +15,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from service import auth, dependencies, notify, resources, signals, tenancy
+from service import auth, code_archives, dependencies, notify, resources, signals, tenancy
 from service.db import base_engine
 from service.errors import Conflict, InvalidSpec, NotFound, StaleWrite
 from service.models import Attempt, Checkpoint, ClusterSnapshot, EventKind, Job, JobEvent, JobState, Metric, utcnow
@@ -120,7 +120,8 @@ def submit(
 ) -> tuple[Job, bool]:
     """Queue a job. Returns (job, created); a replay of the same idempotency key and body returns the first job.
 
-    A job the cluster can never hold is refused (422), or, when `cluster_may_grow`, held with that reason.
+    A job the cluster can never hold is refused (422), or, when `cluster_may_grow`, held with that reason. A code
+    archive the spec names must still be stored (422 naming its field), and counts as used (`service.code_archives`).
     `written_at_once`: on PostgreSQL, a job without `depends_on` is written with its event and signals in one
     statement (`_insert_with_event`), and the returned job is not in the session: the caller reads it, never changes
     it (POST /v1/jobs). Otherwise the job is added to the session, and flushed.
@@ -152,6 +153,8 @@ def submit(
         if settings is None or not settings.cluster_may_grow:
             raise
         reason = f"held until the cluster grows: {exc.detail}"
+    if settings is not None:  # what the spec asks is valid (422s first); now what it uses
+        code_archives.use_named(session, spec, settings, owner=caller.owner)
     job = Job(
         name=spec.name,
         owner=caller.owner,
@@ -287,13 +290,21 @@ def cancel(session: Session, job_id: str, *, caller: Caller) -> Job:
     raise Conflict(f"job {job_id} is changing state too fast to cancel; try again")
 
 
-def retry(session: Session, job_id: str, *, caller: Caller) -> Job:
-    """Put an ended (FAILED or CANCELLED) job back in the queue; it resumes from its last good checkpoint."""
+def retry(session: Session, job_id: str, *, caller: Caller, settings: Settings | None = None) -> Job:
+    """Put an ended (FAILED or CANCELLED) job back in the queue; it resumes from its last good checkpoint. With
+    `settings`, a code archive it names must still be stored (422 naming the field, as at submission)."""
     job = get(session, job_id, caller=caller)
     state = JobState(job.state)
     if state not in (JobState.FAILED, JobState.CANCELLED):
         raise Conflict(f"job {job_id} is {state.value}; only FAILED or CANCELLED jobs can be retried")
     auth.check_submit(caller, queue=job.queue, priority=job.priority)
+    if settings is not None:
+        try:
+            spec = JobSpec.model_validate(job.spec)
+        except ValueError:
+            spec = None  # its attempt ends it as a user error, saying why
+        if spec is not None:
+            code_archives.use_named(session, spec, settings, owner=job.owner)
     waiting = dependencies.reopen(session, job)  # its unmet dependencies, looked at again (409 if one still misses)
     signals.publish(session, signals.ADMISSION)
     return transition(

@@ -131,6 +131,13 @@ class Settings(BaseSettings):
     # How long Ray may refuse an attempt's submission (e.g. "no agent yet" just after a head starts) before the
     # attempt ends as infra; and how long one job's reconcile may keep failing unexpectedly before that job is ended.
     submit_patience_seconds: float = Field(120.0, gt=0)
+    # What an owner's code archives may take of the storage, all together (413 beyond; the same content uploaded again
+    # costs nothing), and how long one nobody uses is kept: an archive not uploaded again nor named by a submission
+    # for `code_retention_days`, and named by no job that has not ended, is deleted by a dispatcher's pass (every
+    # `code_expiry_seconds`); a job submitted naming it afterwards is refused (422), as for an unknown archive.
+    max_code_bytes_per_owner: int = Field(10 << 30, ge=1024, description="storage all of an owner's archives may take")
+    code_retention_days: float = Field(30.0, gt=0, description="an archive unused this long may be deleted")
+    code_expiry_seconds: float = Field(3600.0, gt=0, description="how often a dispatcher deletes expired archives")
     job_fault_patience_seconds: float = Field(60.0, gt=0)
     admit_batch: int = Field(64, ge=1, le=10_000, description="queued jobs one admission pass considers")
     max_sweep_members: int = Field(1000, ge=1, le=100_000, description="the most jobs one POST /v1/sweeps makes")

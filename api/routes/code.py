@@ -8,11 +8,12 @@ import tempfile
 
 from fastapi import APIRouter, Request, status
 from pydantic import BaseModel, Field
+from sqlalchemy.engine import Engine
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import CallerDep, SettingsDep
+from api.deps import CallerDep, RuntimeDep, SettingsDep
 from api.schemas import ERROR_RESPONSES
-from service import code_store
+from service import code_archives, code_store
 from service.errors import InvalidSpec
 from service.settings import Settings
 
@@ -29,10 +30,20 @@ class CodeUpload(BaseModel):
     size: int = Field(description="bytes")
 
 
-def _store(settings: Settings, owner: str, spool: tempfile.SpooledTemporaryFile[bytes], sha256: str) -> str:
+def _store(
+    engine: Engine, settings: Settings, owner: str, spool: tempfile.SpooledTemporaryFile[bytes], sha256: str, size: int
+) -> str:
+    """Quota first (before the archive's CPU is spent), then the archive's check, its record, its file."""
+    code_archives.check_quota(engine, settings, owner=owner, sha256=sha256, size=size)
     code_store.check_archive(spool, max_entries=settings.max_code_entries,
                              max_unpacked_bytes=settings.max_code_unpacked_bytes)  # fmt: skip
-    return code_store.store(settings, owner, spool, sha256)
+    created = code_archives.record_upload(engine, settings, owner=owner, sha256=sha256, size=size)
+    try:
+        return code_store.store(settings, owner, spool, sha256)
+    except BaseException:
+        if created:
+            code_archives.forget(engine, owner=owner, sha256=sha256)
+        raise
 
 
 @router.post(
@@ -41,17 +52,21 @@ def _store(settings: Settings, owner: str, spool: tempfile.SpooledTemporaryFile[
     response_model=CodeUpload,
     responses={
         413: {
-            "description": "larger than SHUNTER_MAX_CODE_BYTES, or unpacking to more than "
-            "SHUNTER_MAX_CODE_UNPACKED_BYTES or SHUNTER_MAX_CODE_ENTRIES members"
+            "description": "larger than SHUNTER_MAX_CODE_BYTES, unpacking to more than "
+            "SHUNTER_MAX_CODE_UNPACKED_BYTES or SHUNTER_MAX_CODE_ENTRIES members, or taking the caller's archives "
+            "over SHUNTER_MAX_CODE_BYTES_PER_OWNER"
         }
     },
     openapi_extra={"requestBody": ZIP_BODY},
 )
-async def upload_code(request: Request, caller: CallerDep, settings: SettingsDep) -> CodeUpload:
+async def upload_code(request: Request, caller: CallerDep, settings: SettingsDep, runtime: RuntimeDep) -> CodeUpload:
     """Store a zip archive (the request body, `Content-Type: application/zip`) as the caller's code.
 
-    Members must be relative paths inside the archive. Same content, same URI. A zip holding one top-level folder is
-    unpacked without it by Ray, so zip a folder's contents or the folder itself, either works.
+    Members must be relative paths inside the archive. Same content, same URI, at no cost to the caller's storage
+    quota (`SHUNTER_MAX_CODE_BYTES_PER_OWNER`, all their archives together). An archive unused (not uploaded again,
+    not named by a submitted job) for `SHUNTER_CODE_RETENTION_DAYS` and named by no job that has not ended is
+    deleted; a job naming it afterwards is refused, and the same upload stores it again. A zip holding one top-level
+    folder is unpacked without it by Ray, so zip a folder's contents or the folder itself, either works.
     """
     limit = settings.max_code_bytes
     too_large = code_store.ArchiveTooLarge(f"body: a code archive may be at most {limit} bytes", field="body")
@@ -69,5 +84,5 @@ async def upload_code(request: Request, caller: CallerDep, settings: SettingsDep
         if size == 0:
             raise InvalidSpec("body: empty; send a zip archive", field="body")
         sha256 = digest.hexdigest()
-        uri = await run_in_threadpool(_store, settings, caller.owner, spool, sha256)
+        uri = await run_in_threadpool(_store, runtime.engine, settings, caller.owner, spool, sha256, size)
     return CodeUpload(uri=uri, sha256=sha256, size=size)

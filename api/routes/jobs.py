@@ -195,9 +195,9 @@ def cancel_job(job_id: JobId, session: SessionDep, caller: CallerDep) -> Accepte
 
 
 @router.post("/{job_id}/retry", status_code=status.HTTP_202_ACCEPTED, response_model=Accepted)
-def retry_job(job_id: JobId, session: SessionDep, caller: CallerDep) -> Accepted:
+def retry_job(job_id: JobId, session: SessionDep, caller: CallerDep, settings: SettingsDep) -> Accepted:
     """Queue a FAILED or CANCELLED job again; it resumes from its last good checkpoint."""
-    job = jobs.retry(session, job_id, caller=caller)
+    job = jobs.retry(session, job_id, caller=caller, settings=settings)
     session.commit()
     return Accepted(id=job.id, state=job.state, detail="queued again")
 

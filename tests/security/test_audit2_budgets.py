@@ -1,0 +1,184 @@
+"""The second audit (issue 35): storage an owner may hold. Item 7's per-owner archive quota and the expiry of archives
+nobody uses. Each test failed on the
+main it was written against. Quick tier: the public API over real HTTP (`tests.live_api`) on a SQLite file and on
+PostgreSQL, the dispatcher's expiry pass driven by hand under a virtual clock (`service.clock`)."""
+
+from __future__ import annotations
+
+import io
+import os
+import zipfile
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, select
+
+from service import attempt_tokens, clock
+from service.dispatcher import Dispatcher
+from service.models import CodeArchive
+from service.noop_backend import NoopJobs
+from tests.live_api import LiveApi, live_api
+from tests.service.conftest import db  # noqa: F401 - the fixture
+
+SPEC = {"entrypoint": {"callable": "examples.mlp:train_loop"}, "resources": {"num_workers": 1}}
+ALICE, BOB = "alice-token", "bob-token"
+TOKENS = {ALICE: {"owner": "alice"}, BOB: {"owner": "bob"}}
+ZIP = "application/zip"
+
+
+def _zip(size: int) -> bytes:
+    """A stored (not deflated) zip of about `size` bytes of random content: its size on storage is predictable."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_STORED) as archive:
+        archive.writestr("train.py", os.urandom(size))
+    return buffer.getvalue()
+
+
+def _as(token: str, **extra: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}", **extra}
+
+
+def _upload(api: LiveApi, body: bytes, token: str = ALICE) -> httpx.Response:
+    return httpx.post(f"{api.url}/v1/code", content=body, headers=_as(token, **{"Content-Type": ZIP}), timeout=30)
+
+
+def _submit(api: LiveApi, spec: dict, token: str = ALICE) -> httpx.Response:
+    return httpx.post(f"{api.url}/v1/jobs", json=spec, headers=_as(token), timeout=30)
+
+
+@pytest.fixture
+def quiet_keys() -> Iterator[None]:
+    attempt_tokens.forget_cached_keys()
+    yield
+    attempt_tokens.forget_cached_keys()
+
+
+# ---- 7. a per-owner quota on code archives -------------------------------------------------------------------------
+def test_7_an_owners_archives_have_a_storage_quota_and_the_same_content_again_costs_nothing(
+    db: Engine,  # noqa: F811 - the imported fixture
+    tmp_path: Path,
+    quiet_keys: None,
+) -> None:
+    """Archives had no per-owner bound: an owner could fill the storage with distinct zips. Now an upload past
+    `max_code_bytes_per_owner` is a 413 naming `body` and the quota, and nothing of it is kept; the same content
+    uploaded again is the same archive, at no cost; another owner's quota is their own."""
+    first, second = _zip(40_000), _zip(40_000)
+    quota = len(first) + len(second) - 1
+    storage = tmp_path / "storage"
+    with live_api(db, tmp_path, api_tokens=TOKENS, max_code_bytes_per_owner=quota, storage_uri=str(storage)) as api:
+        made = _upload(api, first)
+        assert made.status_code == 201, made.text
+        for _ in range(3):  # the same bytes again: the same URI, and the quota does not move
+            again = _upload(api, first)
+            assert (again.status_code, again.json()["uri"]) == (201, made.json()["uri"]), again.text
+        refused = _upload(api, second)
+        assert (refused.status_code, refused.json()["field"]) == (413, "body"), refused.text
+        assert "max_code_bytes_per_owner" in refused.json()["detail"] and f"({quota} bytes)" in refused.json()["detail"]
+        assert _upload(api, second, BOB).status_code == 201  # bob's archives are counted apart
+        assert _upload(api, first).status_code == 201  # still free for alice
+    kept = sorted(p.relative_to(storage / "code").parts[0] for p in (storage / "code").rglob("*.zip"))
+    assert kept == ["alice", "bob"]
+    with Session(db) as session:
+        rows = session.exec(select(CodeArchive).order_by(CodeArchive.owner)).all()
+        assert [(r.owner, r.size) for r in rows] == [("alice", len(first)), ("bob", len(second))]
+
+
+# ---- 7. archives nobody uses expire ---------------------------------------------------------------------------------
+START = datetime(2026, 12, 1, tzinfo=timezone.utc)
+
+
+@pytest.fixture
+def virtual_clock() -> Iterator[clock.VirtualClock]:
+    with clock.use(clock.VirtualClock(START)) as installed:
+        assert isinstance(installed, clock.VirtualClock)
+        yield installed
+
+
+def _expiry_pass(api: LiveApi, tmp_path: Path) -> list[tuple[str, str]]:
+    """One run of the dispatcher's periodic pass (a fresh dispatcher: its first pass is due at once)."""
+    dispatcher = Dispatcher(engine=api.engine, settings=api.settings, ray=NoopJobs(tmp_path / "noop"), owner="d1")
+    try:
+        return dispatcher.expire_code_archives()
+    finally:
+        dispatcher._pool.shutdown(wait=True)
+
+
+def test_7_an_unused_archive_expires_and_one_a_queued_job_names_is_kept(
+    db: Engine,  # noqa: F811 - the imported fixture
+    tmp_path: Path,
+    quiet_keys: None,
+    virtual_clock: clock.VirtualClock,
+) -> None:
+    """Archives were kept for ever. The dispatcher's pass now deletes, file and row, an archive unused for
+    `code_retention_days`; one that a job not yet ended names (here a queued one) is kept however old, until that
+    job has ended and the retention has passed again."""
+    storage = tmp_path / "storage"
+    with live_api(db, tmp_path, api_tokens=TOKENS, code_retention_days=30, storage_uri=str(storage)) as api:
+        used, unused = (_upload(api, _zip(2000)).json() for _ in range(2))
+        job = _submit(api, {**SPEC, "runtime_env": {"working_dir": used["uri"]}})
+        assert job.status_code == 201, job.text
+        virtual_clock.advance(timedelta(days=29).total_seconds())
+        assert _expiry_pass(api, tmp_path) == []  # not yet: 29 days unused
+        virtual_clock.advance(timedelta(days=2).total_seconds())
+        assert _expiry_pass(api, tmp_path) == [("alice", unused["sha256"])]
+        assert sorted(p.stem for p in (storage / "code" / "alice").glob("*.zip")) == [used["sha256"]]
+        with Session(db) as session:
+            assert [r.sha256 for r in session.exec(select(CodeArchive)).all()] == [used["sha256"]]
+        # The queued job ends; the archive it named is then deleted once it has gone unused for the retention.
+        assert httpx.post(f"{api.url}/v1/jobs/{job.json()['id']}/cancel", headers=_as(ALICE), timeout=10).is_success
+        assert _expiry_pass(api, tmp_path) == []  # the pass before counted it as used: a queued job named it
+        virtual_clock.advance(timedelta(days=31).total_seconds())
+        assert _expiry_pass(api, tmp_path) == [("alice", used["sha256"])]
+    assert list((storage / "code" / "alice").glob("*.zip")) == []
+
+
+def test_7_a_job_naming_an_expired_or_unknown_archive_is_refused(
+    db: Engine,  # noqa: F811 - the imported fixture
+    tmp_path: Path,
+    quiet_keys: None,
+    virtual_clock: clock.VirtualClock,
+) -> None:
+    """A job naming an archive that is no longer stored was queued, and failed only when Ray could not fetch its
+    working_dir. Now it is a 422 naming `runtime_env.working_dir` at submission, for an expired archive and for one
+    never uploaded (`py_modules` alike); uploading the same content again makes the URI good again."""
+    body = _zip(2000)
+    with live_api(db, tmp_path, api_tokens=TOKENS, code_retention_days=1) as api:
+        archive = _upload(api, body).json()
+        virtual_clock.advance(timedelta(days=2).total_seconds())
+        assert _expiry_pass(api, tmp_path) == [("alice", archive["sha256"])]
+        refused = _submit(api, {**SPEC, "runtime_env": {"working_dir": archive["uri"]}})
+        assert (refused.status_code, refused.json()["field"]) == (422, "runtime_env.working_dir"), refused.text
+        assert "upload it again" in refused.json()["detail"]
+        never = archive["uri"].replace(archive["sha256"], "0" * 64)
+        refused = _submit(api, {**SPEC, "runtime_env": {"working_dir": never}})
+        assert (refused.status_code, refused.json()["field"]) == (422, "runtime_env.working_dir"), refused.text
+        refused = _submit(api, {**SPEC, "runtime_env": {"py_modules": [never]}})
+        assert (refused.status_code, refused.json()["field"]) == (422, "runtime_env.py_modules"), refused.text
+        assert _upload(api, body).json()["uri"] == archive["uri"]
+        assert _submit(api, {**SPEC, "runtime_env": {"working_dir": archive["uri"]}}).status_code == 201
+
+
+def test_7_an_archive_stored_before_the_records_gets_its_row_when_first_used(
+    db: Engine,  # noqa: F811 - the imported fixture
+    tmp_path: Path,
+    quiet_keys: None,
+) -> None:
+    """Archives uploaded by the release before have a file and no row: a submission naming one still works, and
+    makes its row from the file (lazily: the migration does not read the storage), so it counts and can expire."""
+    storage = tmp_path / "storage"
+    body = _zip(3000)
+    with live_api(db, tmp_path, api_tokens=TOKENS, storage_uri=str(storage)) as api:
+        archive = _upload(api, body).json()
+        with Session(db) as session:  # as the release before left it: the file alone
+            session.delete(session.exec(select(CodeArchive)).one())
+            session.commit()
+        assert (storage / "code" / "alice" / f"{archive['sha256']}.zip").is_file()
+        made = _submit(api, {**SPEC, "runtime_env": {"working_dir": archive["uri"]}})
+        assert made.status_code == 201, made.text
+    with Session(db) as session:
+        row = session.exec(select(CodeArchive)).one()
+        assert (row.owner, row.sha256, row.size) == ("alice", archive["sha256"], len(body))
