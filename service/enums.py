@@ -42,6 +42,10 @@ class EndReason(str, Enum):
     PREFLIGHT_FAILED = "preflight_failed"  # a rank failed the check before training (workers.preflight): names it
     STALLED = "stalled"  # reported progress, then none for stall_timeout_seconds: every rank's stack was dumped
     DEPENDENCY_FAILED = "dependency_failed"  # a job of its depends_on can no longer meet its condition (never retried)
+    # Its code archive or the checkpoint it resumes from is not what the service recorded when their owner wrote them
+    # (workers.proof): never retried, as a tampered archive or checkpoint stays tampered, and a retry would only run
+    # into it again (or, for a checkpoint, resume from an earlier one the user did not choose).
+    STORAGE_TAMPERED = "storage_tampered"
     INFRA = "infra"  # Ray or shunter itself failed: submission refused, driver vanished
 
     def is_retryable(self) -> bool:

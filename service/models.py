@@ -183,6 +183,10 @@ class Checkpoint(SQLModel, table=True):
     metrics: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     complete: bool = True  # written in full and sealed (manifest checked); only complete ones are resumed from
     pruned: bool = False  # deleted by the keep-N rule
+    # The sha256 of its manifest as the attempt that wrote it reported it: a resume proves the checkpoint by it
+    # (workers.proof), not by the storage every job can write. None: reported before it was kept, or listed from a
+    # restore whose report was lost.
+    manifest_sha256: str | None = Field(default=None, max_length=64)
     created_at: datetime = Field(default_factory=utcnow, sa_column=_tz())
 
 
@@ -336,3 +340,7 @@ class CodeArchive(SQLModel, table=True):
     size: int = Field(sa_column=Column(BigInteger, nullable=False))  # bytes of the zip as stored
     created_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime(), nullable=False))
     last_used_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime(), nullable=False))
+    # What it unpacks to, listed at upload from the bytes received ({path: sha256}, `service.code_manifest`), and the
+    # digest of that listing each attempt running it is handed, to check its working directory by (service.code_proof).
+    tree: dict[str, str] | None = Field(default=None, sa_column=Column(JSON))
+    tree_sha256: str | None = Field(default=None, max_length=64)

@@ -66,6 +66,7 @@ def test_spread_and_pack_placement() -> None:
         (EndReason.NODE_DRAINING, 1, 3, True, 0.0),  # checkpointed on notice: again at once
         (EndReason.NODE_DRAINING, 3, 3, True, 0.0),  # and not counted: even on the last attempt
         (EndReason.PREEMPTED, 3, 3, True, 0.0),
+        (EndReason.STORAGE_TAMPERED, 1, 3, False, 0.0),  # its archive or checkpoint stays rewritten: not retried
     ],
 )
 def test_retry_decide(reason: EndReason, attempt: int, max_attempts: int, retry: bool, delay: float) -> None:
