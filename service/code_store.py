@@ -169,6 +169,14 @@ def check_archive(handle: IO[bytes], *, max_entries: int = 20_000, max_unpacked_
         raise InvalidSpec("body: the zip archive is empty", field="body")
 
 
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        while chunk := stream.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def store(settings: Settings, owner: str, handle: IO[bytes], sha256: str) -> str:
     """Write the (checked) archive to `<storage>/code/<owner>/<sha256>.zip`; returns its URI. Same content, same URI."""
     if not _SHA256.fullmatch(sha256):
@@ -179,7 +187,8 @@ def store(settings: Settings, owner: str, handle: IO[bytes], sha256: str) -> str
     if local is not None:
         target = local.resolve() / relative
         target.parent.mkdir(parents=True, exist_ok=True)
-        if not target.is_file():
+        # Written anew when it is not its name's bytes (a job rewrote it: the storage root is every job's).
+        if not target.is_file() or _file_sha256(target) != sha256:
             # Write beside it and rename: a reader never sees half an archive.
             fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".upload-", suffix=".zip")
             try:

@@ -360,7 +360,10 @@ class Dispatcher(Finishing, HostEffects):
                 sub = submission.build(session, job, spec, self.settings, attempt=attempt)
         except (InvalidSpec, ValueError, TypeError, KeyError) as exc:  # the job's own input: end it, say which field
             detail = exc.detail if isinstance(exc, InvalidSpec) else f"{type(exc).__name__}: {exc}"
-            self._finish(job, attempt, Finish(EndReason.USER_ERROR, detail))
+            from service.code_proof import ArchiveTampered  # a stored code archive that is not its upload's bytes
+
+            tampered = isinstance(exc, ArchiveTampered)  # never handed to Ray: none of it runs
+            self._finish(job, attempt, Finish(EndReason.STORAGE_TAMPERED if tampered else EndReason.USER_ERROR, detail))
             return None
         try:
             submitted_now = self.ray.submit(

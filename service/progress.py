@@ -105,6 +105,7 @@ def record_report(
     report_index: int = 0,
     progress: bool = True,
     max_rows: int | None = None,
+    manifest_sha256: str | None = None,
 ) -> bool:
     """Store one `ray.train.report` (rank 0's metrics, and the checkpoint if any). False if fenced off; AttemptRowCap
     (nothing stored) when its rows would take the attempt past `max_rows`.
@@ -114,6 +115,8 @@ def record_report(
     recorded is a replay (the driver's final report, a retried send): it sets the progress and adds no rows.
     `progress=False`: a checkpoint only (a script's output folder, sealed by shunter): the job's step and metrics stay
     as the script's own reports left them; `metrics["step"]`, when given, is the checkpoint's step.
+    `manifest_sha256`: of the checkpoint's manifest as the reporting attempt sealed it, kept with its row: a resume
+    proves the checkpoint by it (`checkpoint_manifest`, workers.proof). A replay never changes it.
     """
     numeric = _numeric(metrics)
     if progress:
@@ -166,7 +169,7 @@ def record_report(
         if checkpoint_uri:
             session.add(
                 Checkpoint(job_id=job_id, attempt=attempt, step=step, uri=checkpoint_uri, metrics=numeric,
-                           complete=checkpoint_complete, created_at=now)
+                           complete=checkpoint_complete, manifest_sha256=manifest_sha256, created_at=now)
             )  # fmt: skip
             if keep is not None and checkpoint_complete:
                 _mark_pruned(session, job_id=job_id, keep=keep)
@@ -174,6 +177,19 @@ def record_report(
                          attempt=attempt, at=now)  # fmt: skip
         session.commit()
     return True
+
+
+def checkpoint_manifest(engine: Engine, *, job_id: str, uri: str) -> tuple[bool, str | None]:
+    """(whether the job has checkpoint `uri`, the sha256 of its manifest the service recorded when the attempt that
+    wrote it reported it). A checkpoint listed from a restore, or reported before hashes were kept, has none: its
+    resume checks its files against its own manifest only (workers.proof). Read by the job's attempts only, for their
+    own job: what they prove a checkpoint by before loading it, never from the storage they can all write."""
+    with Session(engine) as session:
+        rows = session.exec(
+            select(Checkpoint.manifest_sha256).where(Checkpoint.job_id == job_id, Checkpoint.uri == uri)
+            .order_by(col(Checkpoint.id).desc())
+        ).all()  # fmt: skip
+    return bool(rows), next((h for h in rows if h), None)
 
 
 def record_started(engine: Engine, *, job_id: str, attempt: int) -> bool:

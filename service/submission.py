@@ -17,7 +17,7 @@ from typing import Any
 
 from sqlmodel import Session, select
 
-from service import attempt_tokens, dependencies, tenancy
+from service import attempt_tokens, code_proof, dependencies, tenancy
 from service.errors import InvalidSpec
 from service.models import Attempt, Checkpoint, Job
 from service.settings import Settings
@@ -54,6 +54,8 @@ def resume_uri(session: Session, job: Job, spec: JobSpec) -> str | None:
 
 
 EXCLUDED_NODES_ENV = "SHUNTER_EXCLUDED_NODES"  # Ray node ids, comma-separated (workers.driver reads it)
+CODE_DIGEST_ENV = "SHUNTER_CODE_DIGEST"  # what the working_dir archive unpacks to (workers.proof reads it)
+CODE_URI_ENV = "SHUNTER_CODE_URI"
 
 
 def build(
@@ -96,6 +98,12 @@ def build(
     resume = resume_uri(session, job, spec)
     if resume:
         env_vars["SHUNTER_RESUME_FROM"] = resume
+    proof = code_proof.for_attempt(session, settings, spec)
+    if proof is not None:
+        # The driver and every train worker check the working directory against the archive's recorded files before
+        # any of it runs (workers.proof). No bytecode is written into it: a `__pycache__` there is then always extra,
+        # never a cache a process would load in place of the checked source.
+        env_vars.update({CODE_DIGEST_ENV: proof.digest, CODE_URI_ENV: proof.uri, "PYTHONDONTWRITEBYTECODE": "1"})
     runtime_env["env_vars"] = env_vars
     metadata = {"shunter_job_id": job.id, "shunter_attempt": str(job.attempt), "name": job.name}
     return Submission(ENTRYPOINT, runtime_env, metadata)

@@ -15,6 +15,7 @@ import time
 import types
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 
 def _without_httpx_cli() -> None:
@@ -141,19 +142,26 @@ class AttemptApi:
         checkpoint_complete: bool = True,
         keep: int | None = None,
         patience: float = 0.0,
+        manifest_sha256: str | None = None,
     ) -> bool:
         """Store one report; False when the attempt is no longer current (fenced off)."""
         body = self.report_body(metrics, step=step, checkpoint_uri=checkpoint_uri,
-                                checkpoint_complete=checkpoint_complete, keep=keep)  # fmt: skip
+                                checkpoint_complete=checkpoint_complete, keep=keep,
+                                manifest_sha256=manifest_sha256)  # fmt: skip
         return self.send_report(body, patience=patience)
 
     @staticmethod
     def report_body(
         metrics: dict[str, Any], *, step: int, checkpoint_uri: str | None = None, checkpoint_complete: bool = True,
-        keep: int | None = None,
+        keep: int | None = None, manifest_sha256: str | None = None,
     ) -> dict[str, Any]:  # fmt: skip
-        return {"metrics": finite_numbers(metrics), "step": step, "checkpoint_uri": checkpoint_uri,
+        """`manifest_sha256`: of the checkpoint's manifest as this attempt sealed it; the service keeps it, and a
+        resume proves the checkpoint by it (workers.proof)."""
+        body = {"metrics": finite_numbers(metrics), "step": step, "checkpoint_uri": checkpoint_uri,
                 "checkpoint_complete": checkpoint_complete, "keep": keep}  # fmt: skip
+        if manifest_sha256 is not None:
+            body["manifest_sha256"] = manifest_sha256
+        return body
 
     def send_report(self, body: dict[str, Any], *, patience: float = 0.0) -> bool:
         return bool(self._call("POST", "report", body, patience=patience)["recorded"])
@@ -189,6 +197,16 @@ class AttemptApi:
 
     def reported(self) -> bool:
         return bool(self._call("GET", "reported")["reported"])
+
+    def code_listing(self, *, patience: float = 10.0) -> dict[str, str]:
+        """What the job's code archive unpacks to, as the service recorded it at upload: {path: sha256}."""
+        return dict(self._call("GET", "code", patience=patience)["files"])
+
+    def checkpoint_record(self, uri: str, *, patience: float = SPEC_PATIENCE_SECONDS) -> str | None:
+        """The sha256 of the manifest of the job's checkpoint `uri`, as the service recorded it when the attempt that
+        wrote it reported it; None when it recorded none (workers.proof)."""
+        found = self._call("GET", f"checkpoint?uri={quote(uri, safe='')}", patience=patience)
+        return found.get("manifest_sha256")
 
     def spec(self, *, patience: float = SPEC_PATIENCE_SECONDS) -> dict[str, Any]:
         """The job's spec. Nothing of an attempt can start without it, so a passing failure (the API restarting: no

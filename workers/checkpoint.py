@@ -26,6 +26,7 @@ from service.strategy import StrategyKind
 from workers import manifest
 from workers.context import ENV_ATTEMPT, STRATEGY_METRIC
 from workers.manifest import MANIFEST, STATE
+from workers.proof import prove_checkpoint, recorded_manifest
 from workers.ranks import barrier, world
 
 if TYPE_CHECKING:
@@ -161,12 +162,18 @@ def save(prepared: Prepared, directory: str | Path) -> Path:
     return directory
 
 
-def verify(directory: str | Path) -> dict[str, Any]:
+def verify(directory: str | Path, *, uri: str | None = None, recorded: str | None = None) -> dict[str, Any]:
     """The manifest of a complete checkpoint written by shunter's helpers, every file's sha256 checked.
 
     Raises IncompleteCheckpointError when `workers.manifest.check` finds it incomplete, and NotShunterCheckpointError
-    for a checkpoint user code wrote (no state file, no manifest): complete, but nothing `load` can restore.
+    for a checkpoint user code wrote (no state file, no manifest): complete, but nothing `load` can restore. With
+    `recorded` (the sha256 of its manifest the service kept when its attempt reported checkpoint `uri`), the manifest
+    must be that one too: `workers.proof.StorageTampered` otherwise, and for any file that does not match it then.
     """
+    if recorded is not None:
+        proven = prove_checkpoint(str(directory), uri=uri or str(directory), recorded=recorded)
+        if proven is not None:
+            return proven
     verdict = manifest.check(str(directory), checksums=True)
     if not verdict.complete:
         raise IncompleteCheckpointError(verdict.reason)
@@ -203,16 +210,21 @@ def load(prepared: Prepared, checkpoint: Any = None) -> bool:
     if checkpoint is None:
         return False
     if isinstance(checkpoint, str | Path):
-        _load_dir(prepared, Path(checkpoint))
+        uri = str(checkpoint)
+        _load_dir(prepared, Path(checkpoint), uri=uri, recorded=recorded_manifest(uri))
     else:
-        with checkpoint.as_directory() as local:
-            _load_dir(prepared, Path(local))
+        from workers.progress import checkpoint_uri_of
+
+        uri = checkpoint_uri_of(checkpoint)
+        recorded = recorded_manifest(uri)
+        with checkpoint.as_directory() as local:  # what is proven is the copy that is loaded
+            _load_dir(prepared, Path(local), uri=uri, recorded=recorded)
     log.info("resumed at step %d (epoch %d)", prepared.step, prepared.epoch)
     return True
 
 
-def _load_dir(prepared: Prepared, directory: Path) -> None:
-    verify(directory)
+def _load_dir(prepared: Prepared, directory: Path, *, uri: str | None = None, recorded: str | None = None) -> None:
+    verify(directory, uri=uri, recorded=recorded)
     state = json.loads((directory / STATE).read_text())
     if state["strategy"] != prepared.kind.value:
         raise IncompleteCheckpointError(

@@ -39,6 +39,8 @@ def classify_failure(exc: BaseException) -> EndReason:
     names |= {type(exc).__name__}
     text = " ".join(f"{type(e).__name__}: {e}" for e in [exc, *failures])
     lowered = text.lower()
+    if "StorageTampered" in names:  # its code or checkpoint is not what the service recorded (workers.proof)
+        return EndReason.STORAGE_TAMPERED
     if "PreflightFailed" in names:  # a rank failed the check before training (workers.preflight): it names the node
         return EndReason.PREFLIGHT_FAILED
     if "PreemptionError" in names:  # a node's drain deadline passed before the loop checkpointed and stopped
@@ -216,10 +218,33 @@ def process_started_at() -> float:
         return time.time()
 
 
+def verify_code(api: AttemptApi | None) -> tuple[EndReason, str] | None:
+    """The working directory Ray unpacked checked against the code archive the service recorded (`workers.proof`),
+    before this driver looks at anything of the job's (its spec, its modules); on a mismatch the attempt's end,
+    recorded, and nothing of the job runs."""
+    from workers.proof import StorageTampered
+    from workers.proof import verify_code as verify
+
+    try:
+        checked = verify(api)
+    except StorageTampered as exc:
+        message = f"{type(exc).__name__}: {exc}"
+        log.error("%s", message)
+        if api is not None:
+            _record_end(api, EndReason.STORAGE_TAMPERED, message)
+        return EndReason.STORAGE_TAMPERED, message
+    if checked:
+        log.info("%s", checked)
+    return None
+
+
 def main() -> int:
     TIMING["process_started"] = process_started_at()
     TIMING["driver_imported"] = time.time()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s shunter-driver %(levelname)s %(message)s")
+    if verify_code(context.attempt_api()) is not None:
+        return 1
+    TIMING["code_verified"] = time.time()
     spec = context.job_spec()
     TIMING["spec_read"] = time.time()
     job_id = context.job_id() or "adhoc"
@@ -316,13 +341,13 @@ def report_final(api: AttemptApi, result: object, *, keep: int | None) -> None:
     if checkpoint is None or not isinstance(step, int | float) or isinstance(step, bool):
         return  # nothing that says where the run ended, or nothing to tell a replay by
     from workers.context import STRATEGY_METRIC
-    from workers.progress import checkpoint_is_complete, checkpoint_uri_of
+    from workers.progress import checkpoint_seal, checkpoint_uri_of
 
     metrics.pop(STRATEGY_METRIC, None)
-    uri, complete = checkpoint_uri_of(checkpoint), checkpoint_is_complete(checkpoint)
+    uri, (complete, sealed) = checkpoint_uri_of(checkpoint), checkpoint_seal(checkpoint)
     try:
         api.report(metrics, step=int(step), checkpoint_uri=uri, checkpoint_complete=complete, keep=keep,
-                   patience=FINAL_PATIENCE_SECONDS)  # fmt: skip
+                   patience=FINAL_PATIENCE_SECONDS, manifest_sha256=sealed)  # fmt: skip
     except Exception:  # noqa: BLE001 - the run succeeded; its last progress point is not worth failing it
         log.exception("could not record the final report")
 

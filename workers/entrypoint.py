@@ -57,7 +57,12 @@ def run_loop(
     `preflight` is enabled), after rank 0 has reported the checkpoint it resumes from and, with `announce`, that every
     rank's loop has started (RUNNING); the loop is called as Ray Train would call it (with the config when it takes an
     argument). A loop stopped by a drain notice returns `workers.drain.drained`; one that returns on its own then
-    says so (`workers.progress.announce_finished`), which is the word the attempt succeeds on."""
+    says so (`workers.progress.announce_finished`), which is the word the attempt succeeds on. First of all, the
+    working directory is checked against the code archive the service recorded (`workers.proof.verify_code`):
+    StorageTampered, and nothing of the job's is imported."""
+    from workers.proof import verify_code
+
+    verify_code()  # this node's working directory is the owner's code archive, before any of it is imported
     if isinstance(loop, UserCallable):
         loop = loop.resolve()  # the job's own code, imported here first (a bad name fails every rank: user_error)
     register_stack_dump()  # SIGUSR1 prints this worker's stacks into the attempt's log (a stall: workers.stacks)

@@ -36,6 +36,7 @@ class Verdict:
     complete: bool
     manifest: dict[str, Any] | None = None
     reason: str = ""
+    manifest_sha256: str | None = None  # of the manifest's bytes as read (what the service records and proves by)
 
 
 def sha256_of(path: str, filesystem: Any = None) -> str:
@@ -75,9 +76,19 @@ def write(
 
 def read(root: str, filesystem: Any = None) -> dict[str, Any]:
     """The manifest of the checkpoint at `root`; ValueError when it is not one shunter can read."""
+    return parse(read_bytes(root, filesystem))
+
+
+def read_bytes(root: str, filesystem: Any = None) -> bytes:
+    """The manifest file of the checkpoint at `root`, as stored (its sha256 is what the service records)."""
     filesystem = filesystem or pafs.LocalFileSystem()
     with filesystem.open_input_stream(posixpath.join(root, MANIFEST)) as stream:
-        manifest = json.loads(stream.read())
+        return bytes(stream.read())
+
+
+def parse(data: bytes) -> dict[str, Any]:
+    """A manifest from its bytes; ValueError when it is not one shunter can read."""
+    manifest = json.loads(data)
     if not isinstance(manifest, dict) or manifest.get("format", FORMAT) != FORMAT:
         raise ValueError(f"not a format-{FORMAT} manifest")
     files = manifest.get("files")
@@ -114,17 +125,19 @@ def check(root: str, filesystem: Any = None, *, checksums: bool = False) -> Verd
             return Verdict(False, reason=f"{where}: {STATE} but no {MANIFEST}; the save did not finish")
         return Verdict(True)
     try:
-        manifest = read(root, filesystem)
+        data = read_bytes(root, filesystem)
+        manifest = parse(data)
     except (OSError, ValueError) as exc:
         return Verdict(False, reason=f"{where}: unreadable {MANIFEST} ({exc})")
+    sealed = hashlib.sha256(data).hexdigest()
     files: dict[str, dict[str, Any]] = manifest["files"]
     names = list(files)
     found = filesystem.get_file_info([posixpath.join(root, name) for name in names])
     for name, info in zip(names, found, strict=True):
         if info.type != pafs.FileType.File or info.size != files[name]["size"]:
-            return Verdict(False, reason=f"{where}: {name} is missing or has the wrong size")
+            return Verdict(False, reason=f"{where}: {name} is missing or has the wrong size", manifest_sha256=sealed)
     if checksums:
         for name, info in zip(names, found, strict=True):
             if sha256_of(info.path, filesystem) != files[name]["sha256"]:
-                return Verdict(False, reason=f"{where}: {name} does not match its sha256")
-    return Verdict(True, manifest=manifest)
+                return Verdict(False, reason=f"{where}: {name} does not match its sha256", manifest_sha256=sealed)
+    return Verdict(True, manifest=manifest, manifest_sha256=sealed)

@@ -55,12 +55,12 @@ class ProgressCallback(UserCallback):
             warn_strategy_not_applied(self.api, job_id=self.job_id, expected=self.strategy, applied=applied)
         uri = checkpoint_uri_of(checkpoint) if checkpoint is not None else None
         try:
-            complete = checkpoint_is_complete(checkpoint) if checkpoint is not None else True
+            complete, sealed = checkpoint_seal(checkpoint) if checkpoint is not None else (True, None)
             step = rank0.get("step")
             numeric = isinstance(step, int | float) and not isinstance(step, bool) and math.isfinite(step)
             step = int(step) if numeric else self._reports
             body = self.api.report_body(rank0, step=step, checkpoint_uri=uri, checkpoint_complete=complete,
-                                        keep=self._keep())  # fmt: skip
+                                        keep=self._keep(), manifest_sha256=sealed)  # fmt: skip
         except Exception:  # noqa: BLE001 - see module docstring
             log.exception("shunter: could not read report %d of job %s", self._reports, self.job_id)
             return
@@ -158,14 +158,19 @@ def warn_if_never_reported(api: AttemptApi, *, expected: str) -> None:
     warn_strategy_not_applied(api, job_id=api.job_id, expected=expected)
 
 
-def checkpoint_is_complete(checkpoint: Checkpoint) -> bool:
-    from workers.storage import checkpoint_complete
+def checkpoint_seal(checkpoint: Checkpoint) -> tuple[bool, str | None]:
+    """(complete, the sha256 of its manifest as read now, None without one) of a checkpoint this attempt reports:
+    the one rule (`workers.manifest.check`), and what the service keeps to prove it by at a resume (workers.proof)."""
+    from workers import manifest
 
     try:
-        return checkpoint_complete(checkpoint)
+        verdict = manifest.check(checkpoint.path, checkpoint.filesystem)
     except Exception:  # noqa: BLE001 - storage unreachable: record the row, but never as the one to resume from
         log.exception("shunter: could not check checkpoint %s", checkpoint.path)
-        return False
+        return False, None
+    if not verdict.complete:
+        log.warning("checkpoint incomplete: %s", verdict.reason)
+    return verdict.complete, verdict.manifest_sha256
 
 
 def checkpoint_uri_of(checkpoint: Checkpoint) -> str:

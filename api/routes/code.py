@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import CallerDep, RuntimeDep, SettingsDep
 from api.schemas import ERROR_RESPONSES
-from service import code_archives, code_store
+from service import code_archives, code_manifest, code_proof, code_store
 from service.errors import InvalidSpec
 from service.settings import Settings
 
@@ -37,8 +37,10 @@ def _store(
     code_archives.check_quota(engine, settings, owner=owner, sha256=sha256, size=size)
     code_store.check_archive(spool, max_entries=settings.max_code_entries,
                              max_unpacked_bytes=settings.max_code_unpacked_bytes)  # fmt: skip
+    files = code_manifest.of_zip(spool)  # what Ray will unpack, from the bytes received: each attempt checks by it
     created = code_archives.record_upload(engine, settings, owner=owner, sha256=sha256, size=size)
     try:
+        code_proof.record(engine, owner=owner, sha256=sha256, files=files)
         return code_store.store(settings, owner, spool, sha256)
     except BaseException:
         if created:

@@ -12,14 +12,14 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Path
+from fastapi import APIRouter, Depends, Header, Path, Query
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 from sqlmodel import Session
 
 from api.deps import RuntimeDep, SettingsDep
 from api.limits import AttemptRates, retry_after
 from api.schemas import ATTEMPT_LIMIT_RESPONSES, ERROR_RESPONSES
-from service import attempt_tokens, preflight, progress, submission
+from service import attempt_tokens, code_proof, preflight, progress, submission
 from service.errors import Conflict, Forbidden, NotFound, ShunterError, Unauthorized
 from service.models import ACTIVE_STATES, EndReason, Job, JobState
 from service.numbers import INT32_MAX
@@ -33,7 +33,8 @@ MAX_STEP = INT32_MAX  # jobs.step and metrics.step are 32-bit integers on Postgr
 # may: its train function returned, which is all a Ray Job's SUCCEEDED says too (an exit code the same code chooses);
 # the dispatcher ends the attempt on it without waiting for Ray's teardown, and stops a Ray Job that lingers past
 # `linger_seconds` after its driver's last word. `node_draining` and `node_lost` it may claim: they cost nothing only
-# when Ray bears them out (service.nodes), and only up to the job's free retries (service.retry).
+# when Ray bears them out (service.nodes), and only up to the job's free retries (service.retry). `storage_tampered`
+# (workers.proof) it may: that end is never retried, so a claim of it costs the claiming job alone.
 DRIVER_END_REASONS = frozenset(EndReason) - {EndReason.PREEMPTED, EndReason.TIMEOUT, EndReason.CLUSTER_RESTARTED}
 
 
@@ -113,6 +114,9 @@ class ReportBody(_Body):
     checkpoint_complete: StrictBool = True
     keep: int | None = Field(None, ge=1, le=100_000)
     progress: StrictBool = Field(True, description="false: a checkpoint only; the job's step and metrics stay")
+    manifest_sha256: str | None = Field(
+        None, pattern=r"^[0-9a-f]{64}$", description="of the checkpoint's manifest as sealed: a resume proves it by it"
+    )
 
     @field_validator("metrics")
     @classmethod
@@ -167,7 +171,7 @@ def report(scope: Scope, body: ReportBody, rt: RuntimeDep, settings: SettingsDep
     recorded = progress.record_report(
         rt.engine, job_id=job_id, attempt=attempt, metrics=dict(body.metrics), checkpoint_uri=body.checkpoint_uri,
         checkpoint_complete=body.checkpoint_complete, keep=body.keep, report_index=body.step, progress=body.progress,
-        max_rows=settings.attempt_max_rows,
+        max_rows=settings.attempt_max_rows, manifest_sha256=body.manifest_sha256,
     )  # fmt: skip
     return Recorded(recorded=recorded)
 
@@ -234,6 +238,44 @@ def reported(scope: Scope, rt: RuntimeDep) -> Reported:
     """Whether any report of this attempt was recorded."""
     job_id, attempt = scope
     return Reported(reported=progress.attempt_reported(rt.engine, job_id=job_id, attempt=attempt))
+
+
+class CheckpointRecord(BaseModel):
+    uri: str
+    known: bool = Field(description="the job has a checkpoint of this URI")
+    manifest_sha256: str | None = Field(description="of its manifest, as the attempt that wrote it reported it")
+
+
+@router.get("/{job_id}/{attempt}/checkpoint", response_model=CheckpointRecord)
+def checkpoint_record(
+    scope: Scope, rt: RuntimeDep, uri: Annotated[str, Query(min_length=1, max_length=4096)]
+) -> CheckpointRecord:
+    """What the service recorded of the job's checkpoint `uri`: a resume proves the checkpoint by it before loading
+    it (workers.proof), never by what the storage every job can write says."""
+    job_id, _ = scope
+    known, sealed = progress.checkpoint_manifest(rt.engine, job_id=job_id, uri=uri)
+    return CheckpointRecord(uri=uri, known=known, manifest_sha256=sealed)
+
+
+class CodeListing(BaseModel):
+    uri: str
+    sha256: str = Field(description="of the archive")
+    digest: str = Field(description="of `files` (service.code_manifest.digest): SHUNTER_CODE_DIGEST")
+    files: dict[str, str] = Field(description="every file the archive unpacks to: its sha256")
+
+
+@router.get("/{job_id}/{attempt}/code", response_model=CodeListing)
+def code_listing(scope: Scope, rt: RuntimeDep) -> CodeListing:
+    """What the job's code archive (its `runtime_env.working_dir`) unpacks to, as recorded at upload: the driver and
+    the train workers name what differs in their working directory by it (workers.proof). 404 when the job ships no
+    recorded archive."""
+    job_id, _ = scope
+    with Session(rt.engine) as session:
+        job = session.get(Job, job_id)
+        found = code_proof.listing(session, rt.settings, job) if job is not None else None
+    if found is None:
+        raise NotFound(f"job {job_id} ships no code archive recorded by POST /v1/code")
+    return CodeListing(**found)
 
 
 @router.get("/{job_id}/{attempt}/spec")

@@ -498,3 +498,39 @@ def test_a_job_written_in_one_statement_reads_back_as_the_orm_writes_it(db: Engi
         for job_id in ids:
             row = session.get(Job, job_id)
             assert row is not None and JobSpec.model_validate(row.spec) == spec
+
+
+HEX64 = st.text("0123456789abcdef", min_size=64, max_size=64)
+# What a zip member's path can be once `service.code_store.check_archive` took it: any text but NUL and backslash.
+member_paths = st.lists(
+    st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00\\/"), min_size=1, max_size=12),
+    min_size=1,
+    max_size=4,
+).map("/".join)
+
+
+@DB_SETTINGS
+@given(files=st.dictionaries(member_paths, HEX64, max_size=12), sealed=st.none() | HEX64)
+def test_what_proves_storage_reads_back_as_written(db: Engine, files: dict[str, str], sealed: str | None) -> None:
+    """A code archive's listing (paths to sha256, recorded at upload) and a checkpoint's manifest hash (recorded at its
+    report) read back exactly as written: what an attempt is handed to prove its storage by is what was recorded."""
+    from service import code_manifest, code_proof, progress
+    from service.models import ACTIVE_STATES, Attempt, CodeArchive
+
+    owner, archive = f"o{uuid.uuid4().hex[:8]}", uuid.uuid4().hex * 2
+    with session_scope(db) as session:
+        session.add(CodeArchive(owner=owner, sha256=archive, size=1))
+    code_proof.record(db, owner=owner, sha256=archive, files=files)
+    job = Job(name="j", owner=owner, spec={}, state=JobState.RUNNING, attempt=1)
+    with session_scope(db) as session:
+        session.add(job)
+        session.flush()
+        session.add(Attempt(job_id=job.id, number=1, submission_id=f"shunter-{job.id}-1"))
+        job_id = job.id
+    assert JobState.RUNNING in ACTIVE_STATES
+    uri = f"s3://bucket/{job_id}/{next(iter(files), 'checkpoint')}"
+    assert progress.record_report(db, job_id=job_id, attempt=1, metrics={}, checkpoint_uri=uri, manifest_sha256=sealed)
+    with Session(db) as session:
+        row = session.exec(select(CodeArchive).where(CodeArchive.owner == owner)).one()
+    assert row.tree == files and row.tree_sha256 == code_manifest.digest(files) == code_manifest.digest(dict(row.tree))
+    assert progress.checkpoint_manifest(db, job_id=job_id, uri=uri) == (True, sealed)

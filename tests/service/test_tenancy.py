@@ -302,3 +302,9 @@ def test_submit_working_dir_runs_code_that_lives_only_in_the_upload(service: Any
     assert stored.is_file() and stored.is_relative_to(service.data_dir / "checkpoints" / "code")
     names = zipfile.ZipFile(stored).namelist()
     assert names == [f"usercode/{module}.py"]  # .git left out
+    with service.client() as c:  # its driver checked the unpacked folder against what the upload recorded (issue 35)
+        assert "working directory verified: 1 file(s) of" in c.logs(job_id)
+        with zipfile.ZipFile(stored, "w") as rewritten:  # the storage root is every job's: one rewrites the archive
+            rewritten.writestr(f"usercode/{module}.py", TINY_MODULE + "raise SystemExit('foreign')\n")
+        again = c.wait(c.submit({**spec, "runtime_env": {"working_dir": uri}}).id, timeout=120)
+    assert (again.state, again.end_reason) == ("FAILED", "storage_tampered") and uri in (again.last_error or "")

@@ -168,6 +168,22 @@ def test_same_size_corruption_needs_checksums(tmp_path: Path) -> None:
     assert not checkpoint_complete(Checkpoint(str(local)), checksums=True)
 
 
+def test_the_loader_proves_a_checkpoint_by_the_manifest_hash_the_service_recorded(tmp_path: Path) -> None:
+    """Given the manifest's sha256 its attempt reported (issue 35), the loader's check refuses a checkpoint whose files
+    and manifest were rewritten together, which its own manifest alone cannot tell."""
+    from workers.checkpoint import verify
+    from workers.proof import StorageTampered
+
+    local = write_sealed(tmp_path / "ckpt")
+    sealed = manifest.check(str(local)).manifest_sha256
+    assert sealed is not None and verify(local, uri="s3://b/j1/ckpt", recorded=sealed)["files"].keys() == FILES.keys()
+    (local / "model.pt").write_bytes(b"another job's weights")
+    manifest.write(local, manifest.listing(local), step=4, epoch=0)
+    assert verify(local)["files"]["model.pt"]["size"] == len(b"another job's weights")  # by itself: consistent
+    with pytest.raises(StorageTampered, match="s3://b/j1/ckpt: its shunter-manifest.json is not the one"):
+        verify(local, uri="s3://b/j1/ckpt", recorded=sealed)
+
+
 # --- checkpoint_complete: S3 ----------------------------------------------------------------------------------------
 
 
