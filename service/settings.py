@@ -127,10 +127,6 @@ class Settings(BaseSettings):
     # CPU to check and a node's disk to unpack (issue 35). Checked on the archive's directory, before a member is read.
     max_code_unpacked_bytes: int = Field(1 << 30, ge=1024, description="largest total a code archive unpacks to")
     max_code_entries: int = Field(20_000, ge=1, description="most members a code archive may hold")
-
-    # How long Ray may refuse an attempt's submission (e.g. "no agent yet" just after a head starts) before the
-    # attempt ends as infra; and how long one job's reconcile may keep failing unexpectedly before that job is ended.
-    submit_patience_seconds: float = Field(120.0, gt=0)
     # What an owner's code archives may take of the storage, all together (413 beyond; the same content uploaded again
     # costs nothing), and how long one nobody uses is kept: an archive not uploaded again nor named by a submission
     # for `code_retention_days`, and named by no job that has not ended, is deleted by a dispatcher's pass (every
@@ -138,6 +134,10 @@ class Settings(BaseSettings):
     max_code_bytes_per_owner: int = Field(10 << 30, ge=1024, description="storage all of an owner's archives may take")
     code_retention_days: float = Field(30.0, gt=0, description="an archive unused this long may be deleted")
     code_expiry_seconds: float = Field(3600.0, gt=0, description="how often a dispatcher deletes expired archives")
+
+    # How long Ray may refuse an attempt's submission (e.g. "no agent yet" just after a head starts) before the
+    # attempt ends as infra; and how long one job's reconcile may keep failing unexpectedly before that job is ended.
+    submit_patience_seconds: float = Field(120.0, gt=0)
     job_fault_patience_seconds: float = Field(60.0, gt=0)
     admit_batch: int = Field(64, ge=1, le=10_000, description="queued jobs one admission pass considers")
     max_sweep_members: int = Field(1000, ge=1, le=100_000, description="the most jobs one POST /v1/sweeps makes")
