@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from ray._private.runtime_env.packaging import unzip_package
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, col, select
+from sqlmodel import Session, select
 
 from service import attempt_tokens, code_manifest
 from service.dispatcher import Dispatcher
@@ -309,12 +309,22 @@ def test_5_a_rewritten_checkpoint_is_never_resumed_from(
     assert not no.retry and "storage_tampered is not retryable" in no.why
 
 
-def test_5_a_report_cannot_name_a_manifest_hash_that_is_not_one(api: LiveApi) -> None:
-    """The hash a report carries is a sha256 hex digest or nothing: anything else is a 422 naming the field."""
+def test_5_a_reported_manifest_hash_is_kept_and_only_a_sha256_is_taken(api: LiveApi) -> None:
+    """A report's `manifest_sha256` is kept with its checkpoint and handed back to the job's attempts only (another
+    job's attempt token is refused); what is not a sha256 hex digest is a 422 naming the field, and stores nothing."""
     victim = running_job(api.engine, {"entrypoint": {"callable": "examples.mlp:train_loop"}})
+    other = running_job(api.engine, {"entrypoint": {"callable": "examples.mlp:train_loop"}}, owner="mallory")
     token = {"Authorization": f"Bearer {api.token(victim, 1)}"}
-    body = {"metrics": {}, "step": 1, "checkpoint_uri": "/x", "manifest_sha256": "../../etc"}
-    r = httpx.post(f"{api.url}/internal/v1/attempts/{victim}/1/report", json=body, headers=token, timeout=10)
+    url = f"{api.url}/internal/v1/attempts/{victim}/1"
+    sealed = hashlib.sha256(b"a manifest").hexdigest()
+    body = {"metrics": {}, "step": 1, "checkpoint_uri": "/s/ckpt-1", "manifest_sha256": sealed}
+    assert httpx.post(f"{url}/report", json=body, headers=token, timeout=10).json() == {"recorded": True}
+    got = httpx.get(f"{url}/checkpoint", params={"uri": "/s/ckpt-1"}, headers=token, timeout=10)
+    assert got.json() == {"uri": "/s/ckpt-1", "known": True, "manifest_sha256": sealed}, got.text
+    foreign = {"Authorization": f"Bearer {api.token(other, 1)}"}
+    assert httpx.get(f"{url}/checkpoint", params={"uri": "/s/ckpt-1"}, headers=foreign, timeout=10).status_code == 403
+    bad = {**body, "checkpoint_uri": "/s/ckpt-2", "manifest_sha256": "../../etc"}
+    r = httpx.post(f"{url}/report", json=bad, headers=token, timeout=10)
     assert r.status_code == 422 and "manifest_sha256" in r.text, r.text
-    with Session(api.engine) as session:
-        assert session.exec(select(col(JobEvent.id)).where(JobEvent.job_id == victim)).first() is None
+    none = httpx.get(f"{url}/checkpoint", params={"uri": "/s/ckpt-2"}, headers=token, timeout=10).json()
+    assert none == {"uri": "/s/ckpt-2", "known": False, "manifest_sha256": None}
