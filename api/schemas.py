@@ -230,6 +230,15 @@ ATTEMPT_LIMIT_RESPONSES: dict[int | str, dict[str, Any]] = {
         "headers": _RETRY_AFTER,
     },
 }  # fmt: skip
+# Documented on the endpoints that queue jobs (issue 35: an owner's bytes of specs not yet ended have a bound).
+SPEC_BUDGET_RESPONSES: dict[int | str, dict[str, Any]] = {
+    429: {
+        **_ERROR,
+        "description": "the caller's jobs that have not ended would hold more than "
+                       "`max_queued_spec_bytes_per_owner` bytes of specs with these (code `spec_budget`, `field` "
+                       "`spec`, or `base` for a sweep); accepted once some of them have ended",
+    },
+}  # fmt: skip
 # Documented on the endpoints that can stream (`follow=true`).
 STREAM_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     429: {

@@ -15,12 +15,13 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from service import auth, code_archives, dependencies, notify, resources, signals, tenancy
+from service import auth, code_archives, dependencies, notify, resources, signals, spec_budget, tenancy
 from service.db import base_engine
 from service.errors import Conflict, InvalidSpec, NotFound, StaleWrite
 from service.models import Attempt, Checkpoint, ClusterSnapshot, EventKind, Job, JobEvent, JobState, Metric, utcnow
 from service.settings import Settings
 from service.spec import JobSpec
+from service.spec_cache import stored_size
 from service.state import record_event, transition
 
 
@@ -117,11 +118,14 @@ def submit(
     idempotency_key: str | None = None,
     settings: Settings | None = None,
     written_at_once: bool = False,
+    spec_tally: spec_budget.Tally | None = None,
 ) -> tuple[Job, bool]:
     """Queue a job. Returns (job, created); a replay of the same idempotency key and body returns the first job.
 
-    A job the cluster can never hold is refused (422), or, when `cluster_may_grow`, held with that reason. A code
-    archive the spec names must still be stored (422 naming its field), and counts as used (`service.code_archives`).
+    A job the cluster can never hold is refused (422), or, when `cluster_may_grow`, held with that reason. A job
+    whose spec would take its owner's jobs that have not ended over `max_queued_spec_bytes_per_owner` is refused (429,
+    `spec`; `spec_tally`: the owner's count as a sweep keeps it, which names its own field). A code archive the spec
+    names must still be stored (422 naming its field), and counts as used (`service.code_archives`).
     `written_at_once`: on PostgreSQL, a job without `depends_on` is written with its event and signals in one
     statement (`_insert_with_event`), and the returned job is not in the session: the caller reads it, never changes
     it (POST /v1/jobs). Otherwise the job is added to the session, and flushed.
@@ -153,8 +157,11 @@ def submit(
         if settings is None or not settings.cluster_may_grow:
             raise
         reason = f"held until the cluster grows: {exc.detail}"
-    if settings is not None:  # what the spec asks is valid (422s first); now what it uses
+    size = stored_size(dumped)
+    if settings is not None:  # what the spec asks is valid (422s first); now what it would hold and use
         code_archives.use_named(session, spec, settings, owner=caller.owner)
+        tally = spec_tally or spec_budget.Tally.read(session, settings, owner=caller.owner, field="spec")
+        tally.add(size)
     job = Job(
         name=spec.name,
         owner=caller.owner,
@@ -162,6 +169,7 @@ def submit(
         queue=spec.queue,
         priority=spec.priority,
         spec=dumped,
+        spec_bytes=size,
         idempotency_key=idempotency_key,
         spec_hash=digest,
         state_reason=reason,
@@ -292,18 +300,20 @@ def cancel(session: Session, job_id: str, *, caller: Caller) -> Job:
 
 def retry(session: Session, job_id: str, *, caller: Caller, settings: Settings | None = None) -> Job:
     """Put an ended (FAILED or CANCELLED) job back in the queue; it resumes from its last good checkpoint. With
-    `settings`, a code archive it names must still be stored (422 naming the field, as at submission)."""
+    `settings`, its spec counts again against its owner's `max_queued_spec_bytes_per_owner` (429 beyond)."""
     job = get(session, job_id, caller=caller)
     state = JobState(job.state)
     if state not in (JobState.FAILED, JobState.CANCELLED):
         raise Conflict(f"job {job_id} is {state.value}; only FAILED or CANCELLED jobs can be retried")
     auth.check_submit(caller, queue=job.queue, priority=job.priority)
     if settings is not None:
+        tally = spec_budget.Tally.read(session, settings, owner=job.owner, field="spec")
+        tally.check(job.spec_bytes, what=f"job {job.id}'s spec")
         try:
             spec = JobSpec.model_validate(job.spec)
         except ValueError:
             spec = None  # its attempt ends it as a user error, saying why
-        if spec is not None:
+        if spec is not None:  # its code archive must still be stored (422 naming the field, as at submission)
             code_archives.use_named(session, spec, settings, owner=job.owner)
     waiting = dependencies.reopen(session, job)  # its unmet dependencies, looked at again (409 if one still misses)
     signals.publish(session, signals.ADMISSION)

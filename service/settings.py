@@ -144,6 +144,12 @@ class Settings(BaseSettings):
     max_sweep_bytes: int = Field(
         16 << 20, ge=1024, description="the most bytes of job specs one POST /v1/sweeps stores, its members together"
     )
+    # The bytes of specs an owner's jobs that have not ended may hold together (queued ones, and those running): a
+    # submission (a job, a sweep's members, a retry) that would take the owner over it is refused with a 429 until
+    # some of them end. Each job is counted at its stored spec's size (`Job.spec_bytes`).
+    max_queued_spec_bytes_per_owner: int = Field(
+        256 << 20, ge=1024, description="the most bytes of specs one owner's jobs that have not ended hold together"
+    )
 
     # The managed local Ray head (only when ray_address is unset).
     local_ray_num_cpus: int | None = None

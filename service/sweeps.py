@@ -18,7 +18,7 @@ from sqlalchemy import func
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from service import jobs, sweep_policy
+from service import jobs, spec_budget, sweep_policy
 from service.errors import Conflict, InvalidSpec, NotFound
 from service.jobs import Caller
 from service.models import Job, JobState, Metric, Sweep, utcnow
@@ -56,6 +56,9 @@ def create(
     if size * per_member > budget:  # checked before any member is made: the base is each member's least
         raise InvalidSpec(f"base: {size} members of a {per_member:,}-byte spec are {size * per_member:,} bytes, more "
                           f"than this service's max_sweep_bytes ({budget:,})", field="base")  # fmt: skip
+    # The owner's specs not yet ended, with the members': read once, then counted member by member (field `base`).
+    tally = spec_budget.Tally.read(session, settings, owner=caller.owner, field="base")
+    tally.check(size * per_member, what=f"{size} members of a {per_member:,}-byte spec")
     members = member_specs(request)
     sweep = Sweep(
         name=request.name,
@@ -80,7 +83,7 @@ def create(
         return _replay(existing, digest, idempotency_key or ""), False
     for index, (_, spec) in enumerate(members):
         try:
-            job, _ = jobs.submit(session, spec, caller=caller, settings=settings)
+            job, _ = jobs.submit(session, spec, caller=caller, settings=settings, spec_tally=tally)
         except InvalidSpec as exc:
             raise InvalidSpec(f"member {index}: {exc.detail}", field=exc.field, extra=exc.extra) from None
         job.sweep_id, job.sweep_index = sweep.id, index

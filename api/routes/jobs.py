@@ -32,6 +32,7 @@ from api.logs import (
 from api.routes.events import After, Follow, LastEventId, StreamTimeout, resume_after
 from api.schemas import (
     ERROR_RESPONSES,
+    SPEC_BUDGET_RESPONSES,
     STREAM_ERROR_RESPONSES,
     Accepted,
     AttemptPublic,
@@ -84,7 +85,10 @@ def _with_dependencies(public: JobPublic, job: Job, session: Session) -> JobPubl
     "",
     status_code=status.HTTP_201_CREATED,
     response_model=JobPublic,
-    responses={200: {"model": JobPublic, "description": "a replay of the same Idempotency-Key and body"}},
+    responses={
+        200: {"model": JobPublic, "description": "a replay of the same Idempotency-Key and body"},
+        **SPEC_BUDGET_RESPONSES,
+    },
 )
 def submit_job(
     spec: JobSpec,
@@ -194,7 +198,9 @@ def cancel_job(job_id: JobId, session: SessionDep, caller: CallerDep) -> Accepte
     return Accepted(id=job.id, state=job.state, detail="cancel requested")
 
 
-@router.post("/{job_id}/retry", status_code=status.HTTP_202_ACCEPTED, response_model=Accepted)
+@router.post(
+    "/{job_id}/retry", status_code=status.HTTP_202_ACCEPTED, response_model=Accepted, responses=SPEC_BUDGET_RESPONSES
+)
 def retry_job(job_id: JobId, session: SessionDep, caller: CallerDep, settings: SettingsDep) -> Accepted:
     """Queue a FAILED or CANCELLED job again; it resumes from its last good checkpoint."""
     job = jobs.retry(session, job_id, caller=caller, settings=settings)

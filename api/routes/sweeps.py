@@ -8,7 +8,7 @@ from fastapi import APIRouter, Header, Path, Query, Response, status
 
 from api import cursors
 from api.deps import CallerDep, SessionDep, SettingsDep
-from api.schemas import ERROR_RESPONSES
+from api.schemas import ERROR_RESPONSES, SPEC_BUDGET_RESPONSES
 from api.sweep_schemas import SweepCancelled, SweepList, SweepMember, SweepPublic, SweepSummary
 from service import sweeps
 from service.models import EndReason, JobState, Sweep
@@ -57,7 +57,10 @@ def to_public(st: sweeps.Status) -> SweepPublic:
     "",
     status_code=status.HTTP_201_CREATED,
     response_model=SweepPublic,
-    responses={200: {"model": SweepPublic, "description": "a replay of the same Idempotency-Key and body"}},
+    responses={
+        200: {"model": SweepPublic, "description": "a replay of the same Idempotency-Key and body"},
+        **SPEC_BUDGET_RESPONSES,
+    },
 )
 def create_sweep(
     request: SweepRequest,

@@ -1,11 +1,12 @@
-"""The second audit (issue 35): storage an owner may hold. Item 7's per-owner archive quota and the expiry of archives
-nobody uses. Each test failed on the
+"""The second audit (issue 35): storage and spec bytes an owner may hold. Item 7's per-owner archive quota and the
+expiry of archives nobody uses; item 3's per-owner bytes of specs in jobs that have not ended. Each test failed on the
 main it was written against. Quick tier: the public API over real HTTP (`tests.live_api`) on a SQLite file and on
 PostgreSQL, the dispatcher's expiry pass driven by hand under a virtual clock (`service.clock`)."""
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import zipfile
 from collections.abc import Iterator
@@ -14,15 +15,22 @@ from pathlib import Path
 
 import httpx
 import pytest
+import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from service import attempt_tokens, clock
+from service import attempt_tokens, clock, spec_budget
+from service.db import make_engine
 from service.dispatcher import Dispatcher
-from service.models import CodeArchive
+from service.jobs import Caller, submit
+from service.migrate import upgrade
+from service.models import CodeArchive, Job, JobState
 from service.noop_backend import NoopJobs
+from service.settings import Settings
+from service.spec import JobSpec
+from service.spec_cache import stored_size
 from tests.live_api import LiveApi, live_api
-from tests.service.conftest import db  # noqa: F401 - the fixture
+from tests.service.conftest import db, fresh_pg_database  # noqa: F401 - the fixture
 
 SPEC = {"entrypoint": {"callable": "examples.mlp:train_loop"}, "resources": {"num_workers": 1}}
 ALICE, BOB = "alice-token", "bob-token"
@@ -182,3 +190,75 @@ def test_7_an_archive_stored_before_the_records_gets_its_row_when_first_used(
     with Session(db) as session:
         row = session.exec(select(CodeArchive)).one()
         assert (row.owner, row.sha256, row.size) == ("alice", archive["sha256"], len(body))
+
+
+# ---- 3. an owner's bytes of specs not yet ended --------------------------------------------------------------------
+def test_3_an_owners_specs_not_yet_ended_have_a_byte_budget_and_others_still_submit(
+    db: Engine,  # noqa: F811 - the imported fixture
+    tmp_path: Path,
+    quiet_keys: None,
+) -> None:
+    """One owner could queue specs without bound (a sweep's bound is per request). Now the jobs of an owner that have
+    not ended hold at most `max_queued_spec_bytes_per_owner` bytes of specs: past it a job is a 429 naming `spec`, a
+    sweep a 429 naming `base`, a retry a 429 too; another owner submits as before; an ended job frees its bytes."""
+    spec = {**SPEC, "config": {"blob": "x" * 30_000}}
+    size, small = (stored_size(JobSpec.model_validate(s).model_dump(mode="json")) for s in (spec, SPEC))
+    budget = 3 * size + small + 100
+    with live_api(db, tmp_path, api_tokens=TOKENS, max_queued_spec_bytes_per_owner=budget) as api:
+        ids = [_submit(api, spec).json()["id"] for _ in range(3)]
+        refused = _submit(api, spec)
+        assert (refused.status_code, refused.json()["field"]) == (429, "spec"), refused.text
+        assert "max_queued_spec_bytes_per_owner" in refused.json()["detail"]
+        assert _submit(api, SPEC).status_code == 201  # a small one still fits
+        assert _submit(api, spec, BOB).status_code == 201
+        sweep = httpx.post(f"{api.url}/v1/sweeps", json={"base": spec, "count": 2}, headers=_as(ALICE), timeout=30)
+        assert (sweep.status_code, sweep.json()["field"]) == (429, "base"), sweep.text
+        assert httpx.post(f"{api.url}/v1/jobs/{ids[0]}/cancel", headers=_as(ALICE), timeout=10).is_success
+        again = _submit(api, spec)
+        assert again.status_code == 201, again.text
+        retried = httpx.post(f"{api.url}/v1/jobs/{ids[0]}/retry", headers=_as(ALICE), timeout=10)
+        assert (retried.status_code, retried.json()["field"]) == (429, "spec"), retried.text
+    with Session(db) as session:
+        assert {j.spec_bytes for j in session.exec(select(Job).where(Job.owner == "bob")).all()} == {size}
+        assert spec_budget.held(session, "alice") == 3 * size + small
+
+
+BEFORE_SPEC_BYTES = "c8f1a3e5d7b9"  # the revision before jobs.spec_bytes
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def old_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
+    """A database of the release before `spec_bytes` (migrated to the revision before it), on either backend."""
+    if request.param == "sqlite":
+        engine = make_engine(f"sqlite:///{tmp_path / 'old.db'}")
+        upgrade(engine, BEFORE_SPEC_BYTES)
+        yield engine
+        engine.dispose()
+        return
+    with fresh_pg_database() as url:
+        engine = make_engine(url)
+        upgrade(engine, BEFORE_SPEC_BYTES)
+        yield engine
+        engine.dispose()
+
+
+def test_3_the_upgrade_fills_in_the_spec_bytes_of_existing_jobs(old_db: Engine) -> None:
+    """Jobs stored before `spec_bytes` existed are counted too: the migration sets each from its stored spec's JSON,
+    so an owner's queue from before the upgrade already takes its room in the budget."""
+    old = sa.Table("jobs", sa.MetaData(), autoload_with=old_db)
+    assert "spec_bytes" not in old.c
+    specs = [JobSpec.model_validate({**SPEC, "config": {"blob": "é" * n}}).model_dump(mode="json") for n in (10, 5000)]
+    rows = [Job(name=f"j{i}", owner="alice", spec=s, state=JobState.QUEUED) for i, s in enumerate(specs)]
+    rows.append(Job(name="done", owner="alice", spec=specs[1], state=JobState.SUCCEEDED))
+    with old_db.begin() as conn:
+        conn.execute(sa.insert(old), [{c.name: getattr(r, c.name) for c in old.c} for r in rows])
+    upgrade(old_db)
+    with Session(old_db) as session:
+        stored = {j.name: j.spec_bytes for j in session.exec(select(Job)).all()}
+        assert stored == {"j0": len(json.dumps(specs[0])), "j1": len(json.dumps(specs[1])), "done": len(json.dumps(
+            specs[1]))}  # fmt: skip
+        assert spec_budget.held(session, "alice") == stored["j0"] + stored["j1"]
+        settings = Settings(max_queued_spec_bytes_per_owner=stored["j0"] + stored["j1"] + 100)
+        with pytest.raises(spec_budget.SpecBudgetExceeded) as refused:
+            submit(session, JobSpec.model_validate(SPEC), caller=Caller("alice", admin=False), settings=settings)
+        assert refused.value.field == "spec"
