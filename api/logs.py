@@ -1,20 +1,27 @@
 """Reading attempt logs in bounded memory: byte ranges and tails of shunter's stored copy (read with seek, never
-whole), and one shared fetch of a running attempt's Ray log per poll interval, however many followers ask.
+whole), and of a running attempt's Ray log (read by range from Ray, never whole: `service.driver_logs`), whose size
+and last block are looked at once per poll interval however many followers ask.
 
-Offsets are bytes of the UTF-8 log. The stored copy of an ended attempt is the text Ray last returned, so an offset
-taken while the attempt ran still points at the same place once it has ended.
+Offsets are bytes of the log. The stored copy of an ended attempt is a byte copy of Ray's file, so an offset taken
+while the attempt ran still points at the same place once it has ended.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from service.errors import InfraError
+
+log = logging.getLogger(__name__)
 
 CHUNK = 64 * 1024
 # `tail` never reads back further than this from the end: a log without newlines cannot make a tail scan it whole.
@@ -93,41 +100,165 @@ def open_stored(path: Path) -> tuple[IO[bytes], int] | None:
     return handle, handle.seek(0, 2)
 
 
+@dataclass(frozen=True)
+class RayLogView:
+    """A running attempt's Ray log as last looked at: its size then, and its last block (the bytes
+    [block_start, size), at most one block: all of the log this process keeps for the attempt)."""
+
+    submission_id: str
+    size: int
+    block_start: int
+    block: bytes
+
+
+def _aligned(pos: int, block: int) -> int:
+    return pos - pos % block
+
+
+def _looked(ray: Any, submission_id: str, before: RayLogView | None, block: int) -> RayLogView | None:
+    """The log's size and last block now, in one ranged read of Ray's log (two when it has grown past a block)."""
+    base = _aligned(max(before.size - 1, 0), block) if before is not None else 0
+    piece = ray.log_range(submission_id, base, block)
+    if piece is not None and base + len(piece.data) != piece.size:  # its end lies in another block now
+        base = _aligned(max(piece.size - 1, 0), block)
+        piece = ray.log_range(submission_id, base, block)
+    if piece is None:
+        return None
+    # A log that grew between the two reads is seen as far as the block read: the next look sees the rest.
+    return RayLogView(submission_id, min(piece.size, base + len(piece.data)), base, piece.data)
+
+
 @dataclass
 class _Entry:
     lock: threading.Lock = field(default_factory=threading.Lock)
     fetched_at: float | None = None
-    data: bytes | None = None
+    view: RayLogView | None = None
 
 
 class RayLogs:
-    """The whole Ray log of an attempt (Ray's Jobs API has no ranged read), fetched at most once per `max_age`
-    seconds per submission in this process, however many requests and followers ask for it at once."""
+    """Running attempts' Ray logs, read by byte range (`Backend.log_range`), never whole: per submission, its size and
+    last block, looked at once per `max_age` seconds in this process however many requests and followers ask, and
+    kept for `KEEP_SECONDS` after the last ask (at most `MAX_ENTRIES` submissions: one block each)."""
 
-    KEEP_SECONDS = 60.0  # an entry nobody asked for in this long is dropped
+    KEEP_SECONDS = 60.0
+    MAX_ENTRIES = 64  # what all of them hold is at most this many blocks
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[str, _Entry] = {}
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
 
-    def get(self, ray: Any, submission_id: str, *, max_age: float) -> bytes | None:
-        """The log's bytes, or None when Ray does not answer or does not know the submission."""
+    def view(self, ray: Any, submission_id: str, *, max_age: float, block: int) -> RayLogView | None:
+        """The log's size and last block, or None when Ray does not answer or does not know the submission."""
         now = time.monotonic()
         with self._lock:
             for key in [k for k, e in self._entries.items() if e.fetched_at and now - e.fetched_at > self.KEEP_SECONDS]:
                 if not self._entries[key].lock.locked():
                     del self._entries[key]
             entry = self._entries.setdefault(submission_id, _Entry())
-        with entry.lock:  # one fetch at a time per submission: the others wait for it and share it
+            self._entries.move_to_end(submission_id)
+            while len(self._entries) > self.MAX_ENTRIES:
+                self._entries.popitem(last=False)  # an entry being refreshed now is simply not kept for others
+        with entry.lock:  # one look at a time per submission: the others wait for it and share it
             if entry.fetched_at is not None and time.monotonic() - entry.fetched_at < max_age:
-                return entry.data
+                return entry.view
+            before = entry.view if entry.view is not None and len(entry.view.block) <= block else None
             try:
-                text = ray.logs(submission_id)
+                entry.view = _looked(ray, submission_id, before, block)
             except InfraError:
-                text = None
-            entry.data = None if text is None else text.encode("utf-8", errors="replace")
+                log.debug("Ray did not answer for the log of %s", submission_id, exc_info=True)
+                entry.view = None
             entry.fetched_at = time.monotonic()
-            return entry.data
+            return entry.view
+
+
+class RayLogReader:
+    """One request's reads of a running attempt's Ray log, as of `view`: by aligned block, the two last read kept
+    (a tail's backward scan reads each block once), so a request holds at most two blocks besides the shared one."""
+
+    KEPT = 2
+
+    def __init__(self, ray: Any, view: RayLogView, block: int) -> None:
+        self.ray, self.view, self.block = ray, view, block
+        self._kept: OrderedDict[int, bytes] = OrderedDict()
+
+    def read(self, pos: int, n: int) -> bytes:
+        """Bytes [pos, pos + n) of the log as of the view (fewer at its end)."""
+        out = bytearray()
+        end = min(pos + n, self.view.size)
+        while pos < end:
+            base = _aligned(pos, self.block)
+            piece = self._block(base)[pos - base : end - base]
+            if not piece:
+                break  # Ray has less than it said: what there is
+            out += piece
+            pos += len(piece)
+        return bytes(out)
+
+    def _block(self, base: int) -> bytes:
+        if base == self.view.block_start:
+            return self.view.block
+        if (kept := self._kept.get(base)) is not None:
+            return kept
+        piece = self.ray.log_range(self.view.submission_id, base, min(self.block, self.view.size - base))
+        if piece is None:
+            raise InfraError(f"Ray no longer knows {self.view.submission_id}: its log cannot be read on")
+        self._kept[base] = piece.data
+        while len(self._kept) > self.KEPT:
+            self._kept.popitem(last=False)
+        return piece.data
+
+    def chunks(self, start: int, end: int) -> Iterator[bytes]:
+        """Bytes [start, end): from the shared last block when it holds them, else streamed from Ray by range."""
+        if start >= end:
+            return iter(())
+        if start >= self.view.block_start:
+            return iter([self.view.block[start - self.view.block_start : end - self.view.block_start]])
+        stream = self.ray.log_stream(self.view.submission_id, start, end)
+        if stream is None:
+            raise InfraError(f"Ray no longer knows {self.view.submission_id}: its log cannot be read on")
+        return stream
+
+
+def started(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """`chunks` with its first read already done: a Ray that fails then is the request's 503, before any answer."""
+    try:
+        first = next(chunks, b"")
+    except BaseException:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()
+        raise
+
+    def rest() -> Iterator[bytes]:
+        try:
+            if first:
+                yield first
+            yield from chunks
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()  # an abandoned answer lets go of its read from Ray at once
+
+    return rest()
+
+
+async def ray_chunks(reader: RayLogReader, start: int, end: int, deadline: float) -> AsyncIterator[bytes]:
+    """Bytes [start, end) of a running attempt's Ray log for a follow stream, a chunk at a time (each read in a
+    thread), until `deadline`."""
+    chunks = await asyncio.to_thread(reader.chunks, start, end)
+    try:
+        while time.monotonic() < deadline:
+            chunk = await asyncio.to_thread(next, chunks, None)
+            if chunk is None:
+                return
+            if chunk:
+                yield chunk
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            # A stream cancelled while a read runs in its thread: that read ends by itself, and the rest with it.
+            with contextlib.suppress(ValueError):
+                close()
 
 
 def stored_size(path: Path) -> int | None:

@@ -6,6 +6,7 @@ deterministic Ray submission id live here too, so every module names them the sa
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -34,6 +35,37 @@ class RayJobInfo:
     @property
     def is_terminal(self) -> bool:
         return self.status in RAY_TERMINAL
+
+
+@dataclass(frozen=True)
+class LogPiece:
+    """Bytes of a Ray Job's driver log from byte `start` (fewer than asked at its end), and the log's size when they
+    were read."""
+
+    start: int
+    data: bytes
+    size: int
+
+
+def piece_of(text: str | None, start: int, length: int) -> LogPiece | None:
+    """A range of a log a stand-in backend holds whole as text (its logs are a line or two)."""
+    if text is None:
+        return None
+    data = text.encode("utf-8", errors="replace")
+    return LogPiece(start, data[start : start + length], len(data))
+
+
+def chunks_of(text: str | None, start: int, end: int | None) -> Iterator[bytes] | None:
+    piece = piece_of(text, start, (1 << 62) if end is None else max(end - start, 0))
+    return None if piece is None else iter([piece.data] if piece.data else [])
+
+
+def log_tail(backend: Backend, submission_id: str, length: int) -> bytes | None:
+    """The last `length` bytes (at most) of a job's driver log; None if the cluster has no such job."""
+    piece = backend.log_range(submission_id, 0, length)
+    if piece is not None and piece.size > length:
+        piece = backend.log_range(submission_id, piece.size - length, length)
+    return None if piece is None else piece.data
 
 
 @dataclass
@@ -88,7 +120,15 @@ class Backend(Protocol):
 
     def stop(self, submission_id: str) -> bool: ...
 
-    def logs(self, submission_id: str) -> str | None: ...
+    def log_range(self, submission_id: str, start: int, length: int) -> LogPiece | None:
+        """At most `length` (>= 1) bytes of the job's driver log from byte `start`, and the log's size now; None if the
+        cluster has no job of that id. Never the whole log: what it holds is `length` bytes."""
+        ...
+
+    def log_stream(self, submission_id: str, start: int, end: int | None) -> Iterator[bytes] | None:
+        """Bytes [start, end) of the job's driver log (to its end as it is now, for None), a chunk at a time as they are
+        read (errors while reading are `InfraError`); None if the cluster has no job of that id."""
+        ...
 
     def dump_stacks(self, submission_id: str, *, dump_id: str) -> str:
         """Have every rank of attempt `submission_id` print its Python stack into the attempt's log, through a job

@@ -45,10 +45,10 @@ class HostEffects:
     def _keep_log(self, job: Job, attempt: Attempt) -> str | None:
         """Copy the attempt's driver log out of Ray, so it stays readable after the cluster is gone."""
         try:
-            text = self.ray.logs(attempt.submission_id)
+            chunks = self.ray.log_stream(attempt.submission_id, 0, None)  # by range: never the whole log held
+            return None if chunks is None else self.files.keep_log_chunks(job.id, attempt.number, chunks)
         except InfraError:
             return None
-        return None if text is None else self.files.keep_log(job.id, attempt.number, text)
 
     def _storage_of(self, job: Job) -> str:
         spec, _ = self.spec_of(job)

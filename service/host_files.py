@@ -7,7 +7,9 @@ cannot be reached) raises `HostFault`, which the dispatcher records as an event 
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from service import storage
@@ -36,6 +38,24 @@ class HostFiles:
             tmp.replace(path)
         except (OSError, ValueError) as exc:
             raise HostFault(f"could not keep the log of attempt {attempt}: {exc}") from exc
+        return str(path)
+
+    def keep_log_chunks(self, job_id: str, attempt: int, chunks: Iterable[bytes]) -> str:
+        """`keep_log` of a log read a chunk at a time (Ray's, by range), written as it comes: whatever the log's size,
+        one chunk is held. A read that breaks off (`InfraError`) leaves no copy, nor a partial one."""
+        path = self.log_path(job_id, attempt)
+        tmp = path.with_suffix(".tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as out:
+                for chunk in chunks:
+                    out.write(chunk)
+            tmp.replace(path)
+        except (OSError, ValueError) as exc:
+            raise HostFault(f"could not keep the log of attempt {attempt}: {exc}") from exc
+        finally:
+            with contextlib.suppress(OSError):  # gone already once it replaced the copy; left by a failure otherwise
+                tmp.unlink(missing_ok=True)
         return str(path)
 
     def write_preemption_notice(self, storage_uri: str, job_id: str, *, attempt: int) -> None:

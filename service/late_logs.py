@@ -3,10 +3,11 @@
 An attempt whose driver said its run ended (`service.progress.record_attempt_end`) is ended at once; its Ray Job goes
 on for seconds (Ray Train's teardown, the driver's exit), and its log is only whole once that is over. Each tick the
 dispatcher asks Ray about the attempts it ended that way; one Ray calls ended (or no longer knows) has its log copied
-out (`HostFiles.keep_log`) and its Ray status written on the attempt, which is what marks it done. A Ray Job still
-running `linger_seconds` after its driver's last word is stopped: the code is the job's own, and what it does after
-saying it is done (a hung teardown, or a loop that never exits) must not hold the cluster's room unseen. A Ray Job
-that ends FAILED after its attempt succeeded (the teardown failed) is told as an event; the success stands.
+out by range, a chunk at a time (`HostFiles.keep_log_chunks`), and its Ray status written on the attempt, which is
+what marks it done. A Ray Job still running `linger_seconds` after its driver's last word is stopped: the code is the
+job's own, and what it does after saying it is done (a hung teardown, or a loop that never exits) must not hold the
+cluster's room unseen. A Ray Job that ends FAILED after its attempt succeeded (the teardown failed) is told as an event;
+the success stands.
 
 A dispatcher that restarts picks up such attempts ended in the last hour (whichever dispatcher ended them): keeping a
 log twice writes the same file.
@@ -95,8 +96,8 @@ class LateLogs:
         log_uri = None
         if info is not None:
             try:
-                text = self.ray.logs(item.submission_id)
-                log_uri = None if text is None else self.files.keep_log(item.job_id, item.number, text)
+                chunks = self.ray.log_stream(item.submission_id, 0, None)  # by range: one chunk held at a time
+                log_uri = None if chunks is None else self.files.keep_log_chunks(item.job_id, item.number, chunks)
             except (InfraError, HostFault) as exc:
                 log.warning("job %s: could not keep the log of attempt %d: %s", item.job_id, item.number, exc)
         with session_scope(self.engine) as session:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from service.backend import SUBMISSION_PREFIX, ClusterView, NodeView, RayJobInfo
+from service.backend import SUBMISSION_PREFIX, ClusterView, LogPiece, NodeView, RayJobInfo, chunks_of, piece_of
 from service.errors import InfraError
 
 STOPPED = ".stopped"  # beside a submission's file: it was stopped
@@ -89,6 +90,12 @@ class NoopJobs:
 
     def logs(self, submission_id: str) -> str | None:
         return f"noop job {submission_id}\n" if (self.dir / submission_id).exists() else None
+
+    def log_range(self, submission_id: str, start: int, length: int) -> LogPiece | None:
+        return piece_of(self.logs(submission_id), start, length)
+
+    def log_stream(self, submission_id: str, start: int, end: int | None) -> Iterator[bytes] | None:
+        return chunks_of(self.logs(submission_id), start, end)
 
     def dump_stacks(self, submission_id: str, *, dump_id: str) -> str:
         return "the noop backend runs no code: there are no stacks to dump"

@@ -1,8 +1,9 @@
 """The Ray adapter: Ray Jobs (submit, status, stop, logs) and the cluster's resources.
 
-Status, stop and logs go straight to the Jobs REST API with httpx (clear status codes: a 404 is "no such job",
+Status and stop go straight to the Jobs REST API with httpx (clear status codes: a 404 is "no such job",
 not a RuntimeError to parse). Submission goes through `JobSubmissionClient`, which uploads local `working_dir` /
 `py_modules` packages. Submission is idempotent on the deterministic submission id: an existing Ray Job is adopted.
+Driver logs are read by byte range (`service.driver_logs`), never whole.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ import logging
 import os
 import shlex
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from service.backend import SUBMISSION_PREFIX, ClusterView, NodeView, RayJobInfo
+from service.backend import SUBMISSION_PREFIX, ClusterView, LogPiece, NodeView, RayJobInfo
+from service.driver_logs import DriverLogs
 from service.errors import InfraError
 from service.resources import sum_of
 
@@ -71,7 +73,10 @@ class RayJobs:
         self.gcs_address = gcs_address
         self.drivers_off_head = drivers_off_head
         self.head_node_id: str | None = None  # the live head, from the last cluster read
-        self._http = httpx.Client(base_url=self.dashboard_url, timeout=timeout, headers=ray_auth_headers())
+        headers = ray_auth_headers()
+        self._http = httpx.Client(base_url=self.dashboard_url, timeout=timeout, headers=headers)
+        # Driver logs by byte range, from the driver node's agent (never whole: Ray's Jobs API has no ranged read).
+        self.driver_logs = DriverLogs(self._http, headers=headers, timeout=timeout)
         self._sdk: Any = None
         self._gcs: Any = None
         # Reconnecting: a GCS client outlives its cluster (after a head restart every call fails with WrongClusterID),
@@ -82,6 +87,7 @@ class RayJobs:
 
     def close(self) -> None:
         self._http.close()
+        self.driver_logs.close()
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
@@ -158,13 +164,11 @@ class RayJobs:
             raise InfraError(f"Ray could not stop {submission_id}: {r.status_code} {r.text[:300]}")
         return bool(r.json().get("stopped"))
 
-    def logs(self, submission_id: str) -> str | None:
-        r = self._request("GET", f"/api/jobs/{submission_id}/logs")
-        if r.status_code == 404:
-            return None
-        if r.status_code != 200:
-            raise InfraError(f"Ray could not return logs of {submission_id}: {r.status_code}")
-        return str(r.json().get("logs", ""))
+    def log_range(self, submission_id: str, start: int, length: int) -> LogPiece | None:
+        return self.driver_logs.read(submission_id, start, length)
+
+    def log_stream(self, submission_id: str, start: int, end: int | None) -> Iterator[bytes] | None:
+        return self.driver_logs.stream(submission_id, start, end)
 
     def dump_stacks(self, submission_id: str, *, dump_id: str) -> str:
         """Submit `python -m workers.stacks` as a Ray Job of its own: the control plane holds no Ray driver, and the

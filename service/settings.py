@@ -114,6 +114,10 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body; 413 beyond")
     max_spec_depth: int = Field(32, ge=4, le=MAX_SPEC_DEPTH, description="deepest nesting a job spec may have")
     max_streams_per_caller: int = Field(8, ge=1, description="concurrent follow streams per caller; 429 beyond")
+    # A running attempt's log is Ray's, read by byte range in blocks of this size (issue 35): what one request holds of
+    # it at most is two blocks and a 64 KiB chunk, and what the API keeps per attempt between polls is one block,
+    # whatever the log's size. The dispatcher copies an ended attempt's log out in 64 KiB chunks.
+    ray_log_block_bytes: int = Field(1 << 20, ge=4096, le=64 << 20, description="bytes of a Ray log read at once")
     # What one attempt of a job may write through its reports (issue 35): metric points, checkpoint records and the
     # events they add. A rate (per API process: a token bucket of `attempt_rows_burst`, refilled at
     # `attempt_rows_per_second`) and a total; beyond either the report is refused with a 429 and the job's timeline

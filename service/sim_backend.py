@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
@@ -24,7 +24,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from service import clock, progress, resources
-from service.backend import SUBMISSION_PREFIX, ClusterView, NodeView, RayJobInfo
+from service.backend import SUBMISSION_PREFIX, ClusterView, LogPiece, NodeView, RayJobInfo, chunks_of, piece_of
 from service.errors import InfraError
 from service.models import Job
 from service.spec import JobSpec
@@ -151,6 +151,12 @@ class SimJobs:
         with self._lock:
             run = self._runs.get(submission_id)
             return None if run is None else f"sim job {submission_id}: {run.status}\n"
+
+    def log_range(self, submission_id: str, start: int, length: int) -> LogPiece | None:
+        return piece_of(self.logs(submission_id), start, length)
+
+    def log_stream(self, submission_id: str, start: int, end: int | None) -> Iterator[bytes] | None:
+        return chunks_of(self.logs(submission_id), start, end)
 
     def dump_stacks(self, submission_id: str, *, dump_id: str) -> str:
         return "a simulated job has no processes: there are no stacks to dump"

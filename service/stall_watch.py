@@ -18,7 +18,7 @@ from sqlalchemy import update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from service.backend import Backend
+from service.backend import Backend, log_tail
 from service.db import session_scope
 from service.errors import InfraError
 from service.models import Attempt, EventKind, Job, JobEvent, JobState, Metric, utcnow
@@ -31,6 +31,7 @@ from service.state import record_event
 log = logging.getLogger(__name__)
 MAX_NAMES = 5  # metric names asked for the report times: enough to see every report of a loop with a few metrics
 MAX_KNOWN = 50_000  # jobs remembered per dispatcher before the memory is dropped (it is only a cache)
+DUMP_LOG_TAIL_BYTES = 256 * 1024  # of the stack dump job's log, read for its summary line (its last)
 
 
 class StallWatch:
@@ -143,7 +144,8 @@ class StallWatch:
         if not info.is_terminal:
             return None, None, True
         try:
-            text = self.ray.logs(dump_id) or ""
+            # Its summary line is among its last: a tail, whatever the stacks it printed weigh.
+            text = (log_tail(self.ray, dump_id, DUMP_LOG_TAIL_BYTES) or b"").decode("utf-8", errors="replace")
         except InfraError:
             text = ""
         lines = [line[len(DUMP_SAID) :].strip() for line in text.splitlines() if line.startswith(DUMP_SAID)]

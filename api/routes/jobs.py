@@ -18,13 +18,15 @@ from api import cursors
 from api.deps import CallerDep, RuntimeDep, SessionDep, SettingsDep
 from api.logs import (
     FOLLOW_READ_MAX,
+    RayLogReader,
     RayLogs,
     byte_range,
-    bytes_reader,
     file_chunks,
     file_reader,
     open_stored,
+    ray_chunks,
     read_at,
+    started,
     stored_size,
     stored_tail,
     tail_offset,
@@ -371,12 +373,17 @@ def job_logs(
             raise
         headers = {"X-Next-Offset": str(end), "Content-Length": str(end - start)}
         return StreamingResponse(file_chunks(handle, start, end), media_type=TEXT, headers=headers)
-    data = ray_logs_of(request.app).get(runtime.ray, row.submission_id, max_age=FOLLOW_POLL_SECONDS)
-    if data is None and row.ended_at is None:
+    # A running attempt's log is Ray's, read by byte range: this request holds at most two blocks of it
+    # (`ray_log_block_bytes`), whatever its size (issue 35).
+    block = runtime.settings.ray_log_block_bytes
+    view = ray_logs_of(request.app).view(runtime.ray, row.submission_id, max_age=FOLLOW_POLL_SECONDS, block=block)
+    if view is None and row.ended_at is None:
         raise InfraError(f"the log of running attempt {number} is with Ray, which does not answer; try again")
-    data = data or b""
-    start, end = byte_range(bytes_reader(data), len(data), offset=offset, tail=tail, limit=limit_bytes)
-    return Response(data[start:end], media_type=TEXT, headers={"X-Next-Offset": str(end)})
+    if view is None:
+        return Response(b"", media_type=TEXT, headers={"X-Next-Offset": "0"})
+    reader = RayLogReader(runtime.ray, view, block)
+    start, end = byte_range(reader.read, view.size, offset=offset, tail=tail, limit=limit_bytes)
+    return StreamingResponse(started(reader.chunks(start, end)), media_type=TEXT, headers={"X-Next-Offset": str(end)})
 
 
 LATE_LOG_WAIT_SECONDS = 15.0
@@ -467,15 +474,22 @@ async def _follow(
                 yield chunk
                 sent += len(chunk)
         else:
-            data = await asyncio.to_thread(ray_logs.get, runtime.ray, row.submission_id, max_age=FOLLOW_POLL_SECONDS)
-            if data is not None:
-                if pending_tail is not None:
-                    floor = min(sent, len(data))
-                    sent = max(sent, tail_offset(bytes_reader(data), len(data), pending_tail, floor=floor))
-                    pending_tail = None
-                if len(data) > sent:
-                    yield data[sent:]
-                    sent = len(data)
+            block = runtime.settings.ray_log_block_bytes
+            view = await asyncio.to_thread(ray_logs.view, runtime.ray, row.submission_id, max_age=FOLLOW_POLL_SECONDS,
+                                           block=block)  # fmt: skip
+            if view is not None:
+                reader = RayLogReader(runtime.ray, view, block)
+                try:
+                    if pending_tail is not None:
+                        floor = min(sent, view.size)
+                        sent = max(sent, await asyncio.to_thread(tail_offset, reader.read, view.size, pending_tail,
+                                                                 floor=floor))  # fmt: skip
+                        pending_tail = None
+                    async for chunk in ray_chunks(reader, sent, view.size, deadline):
+                        yield chunk
+                        sent += len(chunk)
+                except InfraError as exc:  # Ray broke off: read on from where this got, at the next poll
+                    log.warning("log follow of %s: %s", row.submission_id, exc.detail)
         if ended:
             if pinned is not None or (JobState(job.state).is_terminal and job.attempt == number):
                 return
