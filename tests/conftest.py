@@ -76,6 +76,7 @@ HEAVY_QUICK = ("tests/service/test_tenancy.py", "tests/service/test_spec_roundtr
                "tests/workers/test_hf_callback.py", "tests/service/test_notify.py", "tests/security/test_audit2.py",
                "tests/service/test_progress_delivery.py", "tests/service/test_progress_credential.py",
                "tests/workers/test_preflight.py", "tests/service/test_state.py", "tests/api/test_stream_bounds.py",
+               "tests/api/test_ray_log_ranges.py",
                "tests/service/test_signals.py", "tests/service/test_poison.py", "tests/ui/test_pages.py",
                "tests/service/test_sweeps.py", "tests/service/test_dependencies.py", "tests/api/test_usage.py",
                "tests/service/test_restored_checkpoint.py")  # fmt: skip

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
@@ -55,10 +56,13 @@ def add_attempt(engine: Engine, job: Job) -> None:
 
 
 @contextmanager
-def live_api(engine: Engine, tmp_path: Path, *, port: int | None = None, **settings: object) -> Iterator[LiveApi]:
+def live_api(
+    engine: Engine, tmp_path: Path, *, port: int | None = None, ray: Any = None, **settings: object
+) -> Iterator[LiveApi]:
+    """The API over `engine`, on the noop backend unless given a `ray` backend."""
     settings.setdefault("storage_uri", str(tmp_path / "storage"))  # not ./shunter-data in the working directory
     conf = Settings(database_url=str(engine.url), data_dir=tmp_path / "api-data", **settings)  # type: ignore[arg-type]
-    runtime = Runtime(settings=conf, engine=engine, ray=NoopJobs(tmp_path / "noop"))
+    runtime = Runtime(settings=conf, engine=engine, ray=NoopJobs(tmp_path / "noop") if ray is None else ray)
     port = port or free_port()
     server = uvicorn.Server(
         uvicorn.Config(

@@ -98,6 +98,14 @@ def test_job_seen_through_every_view(secured: Service, ray_head: LocalHead) -> N
         found = wait_for(lambda p=process: running() and maps_torch(job.id, p) is not None, timeout=30,
                          what=f"the attempt's {process} while the job runs")  # fmt: skip
         assert found and maps_torch(job.id, process) is not True, f"the attempt's {process} imported torch"
+    # While it runs its log is Ray's: a ranged read asks the driver node's agent for those bytes only (issue 35, item
+    # 11), the same bytes as the copy kept at its end (checked below).
+    ranged = httpx.get(f"{secured.url}/v1/jobs/{job.id}/logs", params={"offset": 3, "limit_bytes": 64},
+                       headers={"Authorization": "Bearer tok-alice"}, timeout=30)  # fmt: skip
+    assert ranged.status_code == 200 and ranged.content, ranged.text
+    assert ranged.headers["X-Next-Offset"] == str(3 + len(ranged.content))
+    direct = RayJobs(ray_head.dashboard_url)
+    running_head = direct.log_range(f"shunter-{job.id}-1", 0, 1 << 20)
     done = alice.wait(job.id, timeout=240)
     for t in threads:
         t.join(timeout=30)
@@ -125,6 +133,15 @@ def test_job_seen_through_every_view(secured: Service, ray_head: LocalHead) -> N
                     what="the attempt's log kept once Ray's job ended")  # fmt: skip
     assert kept.end_reason == "succeeded"
     assert "done: 30 steps" in (secured.data_dir / "logs" / job.id / "attempt-1.log").read_text()
+    kept_bytes = (secured.data_dir / "logs" / job.id / "attempt-1.log").read_bytes()
+    assert kept_bytes[3 : 3 + len(ranged.content)] == ranged.content
+    assert running_head is not None and running_head.data and kept_bytes.startswith(running_head.data)
+    assert direct.driver_logs._down_until == {}  # read from the driver node's agent, by range
+    # The fallback: with that agent taken as out of reach, the head's state API gives the same bytes.
+    direct.driver_logs._down_until[ray_job["driver_agent_http_address"].rstrip("/")] = float("inf")
+    through_head = direct.log_range(f"shunter-{job.id}-1", 1, 100)
+    assert through_head is not None and (through_head.data, through_head.size) == (kept_bytes[1:101], len(kept_bytes))
+    direct.close()
     # The attempt's Ray Job started Ray Train's controller, workers and the helper it uses, and neither helper actor
     # that an attempt has no use for (workers.lean_trainer): no DatasetManager, no detached PlacementGroupCleaner; nor
     # a PreemptionWatcher: its drain watch runs in the controller (workers.drain_watcher; tests/service/test_drain.py).

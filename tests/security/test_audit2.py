@@ -612,3 +612,82 @@ def test_3_a_spec_cache_shared_by_threads_keeps_its_bound() -> None:
         sys.setswitchinterval(interval)
     assert failures == []
     assert cache.bytes <= 5000 and cache.bytes == sum(size for _, size in cache._items.values())
+
+
+# ---- 11. a running attempt's Ray log is read by range, never whole ---------------------------------------------------
+def _write_log(path: Path, size: int) -> bytes:
+    """A log of about `size` bytes of numbered lines, written a MiB at a time; returns its sha256."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as out:
+        n = written = 0
+        while written < size:
+            chunk = b"".join(b"step %09d: loss 0.%06d and some words a training loop prints\n" % (n + i, i)
+                             for i in range(16_000))  # fmt: skip
+            n += 16_000
+            out.write(chunk)
+            digest.update(chunk)
+            written += len(chunk)
+    return digest.digest()
+
+
+def test_11_a_running_attempts_ray_log_is_read_by_range_in_bounded_memory(tmp_path: Path) -> None:
+    """The API fetched a running attempt's whole Ray log for any read (Ray's Jobs API answers it whole, in one JSON
+    string) and cached it whole; the dispatcher held whole logs too. Now a ranged read asks Ray's agent for those bytes
+    only (HTTP Range on the driver's log file): against a 50 MB log, the bytes are the file's, Ray sends little more
+    than asked, and the peak of Python memory stays a few blocks (`ray_log_block_bytes`), a whole read included."""
+    import hashlib
+    import tracemalloc
+
+    from service.db import make_engine
+    from service.migrate import upgrade
+    from service.ray_jobs import RayJobs
+    from tests.ray_log_http import ray_log_http
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'api.db'}")
+    upgrade(engine)
+    with ray_log_http(tmp_path / "ray-logs") as ray_http:
+        ray = RayJobs(ray_http.dashboard_url)
+        with live_api(engine, tmp_path, ray=ray, api_tokens={ALICE: {"owner": "alice"}}) as api:
+            job = running_job(engine)
+            sid = f"shunter-{job}-1"
+            ray_http.jobs[sid] = "RUNNING"
+            path = ray_http.log_path(sid)
+            whole_digest = _write_log(path, 50 << 20)
+            size = path.stat().st_size
+            data = path.read_bytes()
+            last_three = b"\n".join(data.rsplit(b"\n", 4)[1:4]) + b"\n"
+            tail_start = size - len(last_three)
+            middle = data[25_000_000:26_000_000]
+            del data
+            url, auth = f"{api.url}/v1/jobs/{job}/logs", {"Authorization": f"Bearer {ALICE}"}
+
+            tracemalloc.start()
+            try:
+                r = httpx.get(url, params={"offset": 25_000_000, "limit_bytes": 1_000_000}, headers=auth, timeout=60)
+                assert r.status_code == 200, r.text[:300]
+                assert r.content == middle and r.headers["X-Next-Offset"] == "26000000"
+                r = httpx.get(url, params={"tail": 3}, headers=auth, timeout=60)
+                assert r.content == last_three and r.headers["X-Next-Offset"] == str(size)
+                r = httpx.get(url, params={"offset": tail_start}, headers=auth, timeout=60)
+                assert r.content == last_three and r.headers["X-Next-Offset"] == str(size)
+                r = httpx.get(url, params={"offset": size + 10}, headers=auth, timeout=60)
+                assert r.content == b"" and r.headers["X-Next-Offset"] == str(size)
+                ranged_sent = sum(ray_http.sent.values())
+                streamed = hashlib.sha256()
+                with httpx.stream("GET", url, headers=auth, timeout=60) as whole:  # all of it, a chunk at a time
+                    assert whole.headers["X-Next-Offset"] == str(size)
+                    for chunk in whole.iter_bytes():
+                        streamed.update(chunk)
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+        ray.close()
+    engine.dispose()
+    assert streamed.digest() == whole_digest
+    # The ranged reads above asked Ray for 1 MB and two tails: a block or two each, never the log.
+    assert ranged_sent < 8 << 20, dict(ray_http.sent)
+    assert ray_http.sent["jobs_api"] == 0 and ray_http.sent["state_api"] == 0, dict(ray_http.sent)
+    assert peak < 24 << 20, f"reading a 50 MB Ray log peaked at {peak / 2**20:.0f} MiB of Python memory"
