@@ -182,6 +182,43 @@ def test_5_another_owners_rewritten_archive_never_runs_as_its_owner(
     assert ran_alice.read_text() == "alice" and not ran_mallory.exists()
 
 
+def test_5_an_archive_recorded_before_its_listing_is_listed_only_from_proven_bytes(api: LiveApi) -> None:
+    """An archive stored before listings were kept has none: its next attempt lists it from the stored file, once
+    that file is proven its upload (its sha256 is its name). A file rewritten before that is tampered, not listed."""
+    from service import submission
+    from service.code_proof import ArchiveTampered
+
+    module = f"legacy_{uuid.uuid4().hex[:8]}"
+    genuine = _zip({f"{module}.py": "X = 1\n"})
+    uri = upload(api, ALICE, genuine)["uri"]
+    with Session(api.engine) as session:  # as a release before this one left it: a row, no listing
+        row = session.exec(select(CodeArchive).where(CodeArchive.owner == "alice")).one()
+        row.tree, row.tree_sha256 = None, None
+        session.add(row)
+        session.commit()
+    victim = running_job(api.engine, spec_with(uri, module))
+
+    def build() -> dict[str, str]:
+        with Session(api.engine) as session:
+            job = session.get(Job, victim)
+            assert job is not None
+            built = submission.build(session, job, JobSpec.model_validate(job.spec), api.settings)
+        return dict(built.runtime_env["env_vars"])
+
+    stored = Path(uri.removeprefix("file://"))
+    stored.write_bytes(_zip({f"{module}.py": "X = 2\n"}))  # rewritten before anything listed it
+    with pytest.raises(ArchiveTampered, match="is not the one its owner uploaded"):
+        build()
+    stored.write_bytes(genuine)
+    listed = {f"{module}.py": hashlib.sha256(b"X = 1\n").hexdigest()}
+    env = build()
+    assert env["SHUNTER_CODE_DIGEST"] == code_manifest.digest(listed) and env["SHUNTER_CODE_URI"] == uri
+    assert env["PYTHONDONTWRITEBYTECODE"] == "1"
+    with Session(api.engine) as session:
+        row = session.exec(select(CodeArchive).where(CodeArchive.owner == "alice")).one()
+    assert (row.tree, row.tree_sha256) == (listed, code_manifest.digest(listed))
+
+
 @pytest.mark.parametrize(
     ("change", "named"),
     [
