@@ -122,26 +122,31 @@ def test_7_an_unused_archive_expires_and_one_a_queued_job_names_is_kept(
     virtual_clock: clock.VirtualClock,
 ) -> None:
     """Archives were kept for ever. The dispatcher's pass now deletes, file and row, an archive unused for
-    `code_retention_days`; one that a job not yet ended names (here a queued one) is kept however old, until that
-    job has ended and the retention has passed again."""
+    `code_retention_days`; one that a job not yet ended names (a queued one's working_dir, a running one's
+    py_modules) is kept however old, until that job has ended and the retention has passed again."""
     storage = tmp_path / "storage"
     with live_api(db, tmp_path, api_tokens=TOKENS, code_retention_days=30, storage_uri=str(storage)) as api:
-        used, unused = (_upload(api, _zip(2000)).json() for _ in range(2))
+        used, module, unused = (_upload(api, _zip(2000)).json() for _ in range(3))
         job = _submit(api, {**SPEC, "runtime_env": {"working_dir": used["uri"]}})
         assert job.status_code == 201, job.text
+        runs = _submit(api, {**SPEC, "runtime_env": {"py_modules": [module["uri"]]}}).json()["id"]
+        with Session(db) as session:  # admitted and running: not ended either
+            session.get(Job, runs).state = JobState.RUNNING  # type: ignore[union-attr]
+            session.commit()
         virtual_clock.advance(timedelta(days=29).total_seconds())
         assert _expiry_pass(api, tmp_path) == []  # not yet: 29 days unused
         virtual_clock.advance(timedelta(days=2).total_seconds())
         assert _expiry_pass(api, tmp_path) == [("alice", unused["sha256"])]
-        assert sorted(p.stem for p in (storage / "code" / "alice").glob("*.zip")) == [used["sha256"]]
+        kept = sorted([used["sha256"], module["sha256"]])
+        assert sorted(p.stem for p in (storage / "code" / "alice").glob("*.zip")) == kept
         with Session(db) as session:
-            assert [r.sha256 for r in session.exec(select(CodeArchive)).all()] == [used["sha256"]]
+            assert sorted(r.sha256 for r in session.exec(select(CodeArchive)).all()) == kept
         # The queued job ends; the archive it named is then deleted once it has gone unused for the retention.
         assert httpx.post(f"{api.url}/v1/jobs/{job.json()['id']}/cancel", headers=_as(ALICE), timeout=10).is_success
         assert _expiry_pass(api, tmp_path) == []  # the pass before counted it as used: a queued job named it
         virtual_clock.advance(timedelta(days=31).total_seconds())
-        assert _expiry_pass(api, tmp_path) == [("alice", used["sha256"])]
-    assert list((storage / "code" / "alice").glob("*.zip")) == []
+        assert _expiry_pass(api, tmp_path) == [("alice", used["sha256"])]  # the running job's archive stays
+    assert [p.stem for p in (storage / "code" / "alice").glob("*.zip")] == [module["sha256"]]
 
 
 def test_7_a_job_naming_an_expired_or_unknown_archive_is_refused(
