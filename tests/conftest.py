@@ -27,6 +27,12 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # it ran (12.6 against 11.4 CPU-s over 20 s, measured side by side), in a tier that is CPU-bound (issue 34).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Ray's background work on every test node, which the tests never read (issue 34: the slow tier is CPU-bound): the
+# dashboard agent's node stats every 30 s instead of 5 (psutil over every Ray process of the node each time), and the
+# log monitor's search for new log files at most every 0.5 s instead of at each 0.1 s poll (Ray's own pace once a
+# node has 1,000 log files; a session head passes that mid-run). Worker output still reaches each job's log.
+os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "30000")
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 use_interpreter_bin_first()  # every process a test starts builds DeepSpeed's ops with the ninja Ray's processes use
 
 RAY_TEST_CPUS = 4  # logical CPUs: 2-worker jobs use 2; the slack lets a test overlap a finishing job
@@ -48,8 +54,9 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHead]:
 @pytest.fixture(scope="session")
 def session_multinode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     """One 3-node Ray cluster (`tests.service.conftest.multinode_cluster`) for every multi-node test of the session;
-    tests take it through `multinode`, which puts removed or swapped nodes back. The tests that use it run last
-    (`pytest_collection_modifyitems` below), so it is up only while they run."""
+    tests take it through `multinode`, which puts removed or swapped nodes back. The tests that use it run one after
+    another (in one lane of the slow tier: `lane_group`; last without xdist: `pytest_collection_modifyitems`), and the
+    cluster is stopped after the last of them (`pytest_runtest_teardown`), so it is up only while they run."""
     from tests.service.conftest import multinode_cluster
 
     with multinode_cluster(tmp_path_factory.mktemp("multinode")) as mn:
@@ -57,6 +64,25 @@ def session_multinode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[obje
 
 
 MULTINODE_FIXTURES = {"session_multinode", "multinode", "three_nodes"}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the last multi-node test of a run of them, stop the 3-node cluster rather than at the session's end: the
+    multi-node group is the slow tier's longest and is handed out first (`LONG_SLOW`), and its lane goes on with other
+    groups for minutes, where the idle cluster's daemons cost ~0.1 CPU-s a second. A later multi-node test would
+    start it again. (pytest's own fixture teardown; where its internals differ, the cluster lives to the session's
+    end, as before.)"""
+    result = yield
+    if uses_multinode(item) and (nextitem is None or not uses_multinode(nextitem)):
+        try:
+            fixturedefs = item.session._fixturemanager.getfixturedefs("session_multinode", item) or ()
+        except AttributeError:
+            fixturedefs = ()
+        for fixturedef in fixturedefs:
+            if getattr(fixturedef, "cached_result", None) is not None:
+                fixturedef.finish(item._request)  # type: ignore[attr-defined]
+    return result
 
 
 def uses_multinode(item: pytest.Item) -> bool:
@@ -116,9 +142,28 @@ def lane_group(nodeid: str, root: Path = Path(__file__).resolve().parents[1]) ->
 _LANES: dict[str, str] = {}
 
 
+# The slow tier's groups that take a lane longest (45 s or more of a loaded lane in a run of 2026-12-07: the
+# multi-node group 779, test_faults 211, ..., test_driver_contract 49), handed out first: the longest-first rule, so
+# that no lane is left with a long group while the other has run out of work. xdist's own order (most tests first)
+# put groups of one long test last, and the tier's last ~4 minutes ran on one lane, the machine ~50 % busy. A group
+# not named here comes after these, in xdist's order.
+LONG_SLOW = ("multinode", "tests/service/test_faults.py", "tests/service/test_script_jobs.py",
+             "tests/service/test_chaos.py", "tests/service/test_gcs_fault_tolerance.py",
+             "tests/service/test_strategies_e2e.py", "tests/service/test_growth_ray.py",
+             "tests/workers/test_storage.py", "tests/deploy/test_cluster_processes.py",
+             "tests/service/test_e2e_serve.py", "tests/security/test_separate_user.py",
+             "tests/ui/test_live_service.py", "tests/service/test_fair_share_ray.py",
+             "tests/service/test_stall_e2e.py", "tests/gpu/test_tier.py", "tests/service/test_notify_e2e.py",
+             "tests/workers/test_driver_contract.py")  # fmt: skip
+
+
+def lane_rank(group: str) -> int:
+    return LONG_SLOW.index(group) if group in LONG_SLOW else len(LONG_SLOW)
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """The slow tier's two lanes (`pytest -m slow -n 2 --dist loadscope`, see the Makefile): xdist's scope scheduling
-    with `lane_group` for a scope (groups with the most tests first). pytest-xdist's own `loadgroup` does not group
+    with `lane_group` for a scope, the longest groups first (LONG_SLOW). pytest-xdist's own `loadgroup` does not group
     under this pytest (9.2): its `@group` suffix on node ids is not seen."""
     if config.getvalue("dist") != "loadscope":
         return None
@@ -128,7 +173,28 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
         def _split_scope(self, nodeid: str) -> str:
             return lane_group(nodeid)
 
+        def _assign_work_unit(self, node: object) -> None:
+            # The queue's first group is the one handed out: the longest left (LONG_SLOW), else xdist's own order.
+            first = min(self.workqueue, key=lambda group: lane_rank(group))  # the first of equal ranks
+            self.workqueue.move_to_end(first, last=False)
+            super()._assign_work_unit(node)
+
     return Lanes(config, log)
+
+
+TIMELINE = os.environ.get("SHUNTER_TEST_TIMELINE")  # a file: one line per test start and end, for the lanes' picture
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+    if TIMELINE:
+        with open(TIMELINE, "a") as out:
+            out.write(f"{time.time():.1f} {os.environ.get('PYTEST_XDIST_WORKER', 'main')} start {nodeid}\n")
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
+    if TIMELINE:
+        with open(TIMELINE, "a") as out:
+            out.write(f"{time.time():.1f} {os.environ.get('PYTEST_XDIST_WORKER', 'main')} end {nodeid}\n")
 
 
 @pytest.fixture(scope="session")
