@@ -8,8 +8,9 @@ wrote it, handed to this attempt by the service, never read from that storage:
 - **Code.** `POST /v1/code` recorded what the archive unpacks to (`service.code_manifest`); the dispatcher puts its
   digest in the attempt's environment (`SHUNTER_CODE_DIGEST`, with the archive's URI in `SHUNTER_CODE_URI`).
   `verify_code` compares the working directory Ray unpacked with it, in the driver before anything of the job's is
-  looked at and in every train worker before the job's code is imported. A changed, missing or extra file, or a link,
-  and nothing of the job runs: `StorageTampered`, which ends the attempt `storage_tampered`.
+  looked at and in every train worker before the job's code is imported. A changed, missing or extra code file
+  (`runnable`), or a link, and nothing of the job runs: `StorageTampered`, which ends the attempt `storage_tampered`.
+  Extra data files are what a job wrote into its own folder, accepted.
 - **Checkpoints.** The attempt that reported a checkpoint sent its manifest's sha256, which the service keeps with the
   checkpoint's row (`Checkpoint.manifest_sha256`). `prove_checkpoint` checks the manifest on storage against it, then
   (`workers.manifest.check`) every file against the manifest, before a byte of the checkpoint is loaded.
@@ -31,6 +32,11 @@ log = logging.getLogger(__name__)
 ENV_CODE_DIGEST = "SHUNTER_CODE_DIGEST"  # service.submission sets it: the digest of the files the archive unpacks to
 ENV_CODE_URI = "SHUNTER_CODE_URI"  # the archive's URI, for the message
 RAY_WORKING_DIRS = "working_dir_files"  # the folder Ray unpacks working_dir archives into, one sub-folder each
+# An extra file with one of these endings, or anywhere under a `__pycache__`, is one Python could import or load from
+# the folder (its path is on every process's PYTHONPATH): never accepted. Any other extra file is data a job wrote
+# into its own working directory (an earlier attempt on the node, whose unpacked folder Ray reuses): it runs nothing,
+# and refusing it failed every next attempt of a script that writes `./out` without `entrypoint.outputs`.
+RUNNABLE_SUFFIXES = (".py", ".pyc", ".pyo", ".pyw", ".pth", ".so", ".pyd")
 SHOWN = 10  # differences named in a message; the rest are counted
 SHOWN_CHARS = 500  # and no more of them than this: the job's last event keeps a message's last 1000 characters
 
@@ -50,11 +56,18 @@ def working_dir() -> Path:
     return Path.cwd()
 
 
+def runnable(path: str) -> bool:
+    """True for a path (relative, `/`-separated) Python could import or load from a folder on its path."""
+    return path.endswith(RUNNABLE_SUFFIXES) or "__pycache__" in path.split("/")
+
+
 def verify_working_dir(
     root: str | Path, *, expected: str, uri: str, recorded: Callable[[], dict[str, str] | None] | None = None
 ) -> int:
-    """The number of files under `root`, once they are exactly those whose digest is `expected`; StorageTampered
-    otherwise. `recorded`: the service's listing of them (asked for only when they differ), to name what differs."""
+    """The number of the archive's files under `root`, once they are those whose digest is `expected`, each as
+    uploaded; StorageTampered otherwise. `recorded`: the service's listing of them (asked for only when they differ),
+    to name what differs, and to tell data files the job wrote there since (accepted) from anything else: a changed,
+    missing or `runnable` extra file, or a link. Without the listing, any difference is refused."""
     files, odd = code_manifest.of_tree(root)
     if not odd and code_manifest.digest(files) == expected:
         return len(files)
@@ -65,7 +78,13 @@ def verify_working_dir(
         except Exception:  # noqa: BLE001 - the refusal stands; only its detail is lost
             log.exception("could not read the archive's recorded listing")
     if listing is not None and code_manifest.digest(listing) == expected:
-        lines = code_manifest.differences(listing, files, odd)
+        written = {p for p in files.keys() - listing.keys() if not runnable(p)}
+        found = {p: h for p, h in files.items() if p not in written}
+        if not odd and found == listing:
+            log.info("working directory %s: every file of %s as uploaded; %d data file(s) written there since "
+                     "(not code: accepted): %s", root, uri, len(written), sorted(written)[:SHOWN])  # fmt: skip
+            return len(listing)
+        lines = code_manifest.differences(listing, found, odd)
     else:
         lines = [f"not a plain file: {p}" for p in odd] or ["its files differ from those recorded at upload"]
     shown = "; ".join(lines[:SHOWN]) + (f"; and {len(lines) - SHOWN} more" if len(lines) > SHOWN else "")

@@ -226,7 +226,8 @@ def test_5_an_archive_recorded_before_its_listing_is_listed_only_from_proven_byt
         ("delete", "missing: pkg/core.py"),
         ("sitecustomize", "extra: sitecustomize.py"),  # imported by every Python process with the folder on its path
         ("pycache", "extra: pkg/__pycache__/core.cpython-311.pyc"),  # loaded in place of its checked source
-        ("data", "extra: config.yaml"),
+        ("module", "extra: pkg/helpers.py"),  # importable as pkg.helpers
+        ("extension", "extra: fast.cpython-311-x86_64-linux-gnu.so"),
         ("link", "not a plain file: pkg/core.py"),
     ],
 )
@@ -252,8 +253,10 @@ def test_5_a_working_directory_differs_by_any_file_and_is_named(tmp_path: Path, 
     elif change == "pycache":
         (root / "pkg" / "__pycache__").mkdir()
         (root / "pkg" / "__pycache__" / "core.cpython-311.pyc").write_bytes(b"\0" * 16)
-    elif change == "data":
-        (root / "config.yaml").write_text("lr: 1\n")
+    elif change == "module":
+        (root / "pkg" / "helpers.py").write_text("import os\n")
+    elif change == "extension":
+        (root / "fast.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\x7fELF")
     else:
         (tmp_path / "elsewhere.py").write_text("X = 1\n")
         core.unlink()
@@ -261,6 +264,27 @@ def test_5_a_working_directory_differs_by_any_file_and_is_named(tmp_path: Path, 
     with pytest.raises(StorageTampered) as refused:
         verify_working_dir(root, expected=expected, uri="file:///s/code/alice/x.zip", recorded=lambda: listed)
     assert named in str(refused.value) and "none of it was run" in str(refused.value)
+
+
+def test_5_data_a_job_wrote_into_its_working_directory_is_not_code_and_is_accepted(tmp_path: Path) -> None:
+    """Ray reuses a node's unpacked folder for the job's next attempt: files an earlier attempt wrote there (a script
+    writing `./out` without `entrypoint.outputs`) are data, not code, and the attempt runs. The same extra files with
+    a changed one of the archive's, or without the service's listing to tell them apart, are refused."""
+    members = {"train.py": "import pkg.core\n", "pkg/__init__.py": "", "pkg/core.py": "X = 1\n"}
+    listed = code_manifest.of_zip(io.BytesIO(_zip(members)))
+    root = unpack_as_ray(_zip(members), tmp_path / "node", "code")
+    (root / "out").mkdir()
+    (root / "out" / "metrics.json").write_text("{}")
+    (root / "out" / "model.safetensors").write_bytes(b"\0" * 64)
+    (root / "config.yaml").write_text("lr: 1\n")
+    expected, uri = code_manifest.digest(listed), "file:///s/code/alice/x.zip"
+    assert verify_working_dir(root, expected=expected, uri=uri, recorded=lambda: listed) == 3
+    with pytest.raises(StorageTampered):  # nothing to tell the data from the archive's files by
+        verify_working_dir(root, expected=expected, uri=uri)
+    (root / "pkg" / "core.py").write_text("X = 2\n")
+    with pytest.raises(StorageTampered) as refused:
+        verify_working_dir(root, expected=expected, uri=uri, recorded=lambda: listed)
+    assert "changed: pkg/core.py" in str(refused.value) and "config.yaml" not in str(refused.value)
 
 
 SEGMENT = st.text("abcdefghijklmnopqrstuvwxyz0123456789_.-", min_size=1, max_size=6).filter(
