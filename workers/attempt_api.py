@@ -83,6 +83,20 @@ def sent_in_background(timeout: float) -> None:
             log.warning("shunter: news of this attempt still unsent after %.0fs", timeout)
 
 
+class AttemptApiError(RuntimeError):
+    """The attempt's API refused a call (a 4xx, or a 5xx past the call's patience): what a train loop or the driver
+    sees, with the answer's status code. Picklable, as every exception a train worker raises must be: Ray sends it to
+    the controller, and httpx's own HTTPStatusError cannot be rebuilt from its pickle (its request and response are
+    keyword-only), so a refused call in a worker was reported as "A worker health check failed" instead."""
+
+    def __init__(self, message: str, status_code: int | None = None) -> None:
+        super().__init__(message, status_code)
+        self.status_code = status_code
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 def transient(exc: BaseException) -> bool:
     """Whether a failed call may succeed if made again (the API down or restarting), rather than a refusal."""
     if isinstance(exc, httpx.HTTPStatusError):
@@ -129,6 +143,10 @@ class AttemptApi:
                 return response.json()
             except (httpx.HTTPStatusError, httpx.TransportError) as exc:
                 if not transient(exc) or time.monotonic() + delay > deadline:
+                    if isinstance(exc, httpx.HTTPStatusError):
+                        answer = exc.response.text[:1000]
+                        raise AttemptApiError(f"{method} {self._path(what)}: {exc.response.status_code} {answer}",
+                                              exc.response.status_code) from exc  # fmt: skip
                     raise
             time.sleep(delay)
             delay = min(delay * 2, 5.0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from service.migrate import upgrade
 from service.models import Attempt, Checkpoint, Job, JobEvent, JobState
 from service.progress import record_report, record_restore
 from tests.live_api import add_attempt, live_api
-from workers.attempt_api import AttemptApi
+from workers.attempt_api import AttemptApi, AttemptApiError
 
 SECRET = "restored-test-key-" + "k" * 24
 SPEC = {"entrypoint": {"callable": "examples.mlp:train_loop"}}
@@ -127,9 +128,14 @@ def test_the_route_takes_the_attempts_own_token_and_refuses_bad_bodies(db: Engin
         stale = AttemptApi(api.url, attempt_tokens.issue(job.id, 1, SECRET), job.id, 1)
         assert not stale.restored("/s/ck9", step=9, complete=True, written_by=None)  # fenced: not current
         other = AttemptApi(api.url, attempt_tokens.issue(job.id, 1, SECRET), job.id, 2)  # a token of attempt 1
-        with pytest.raises(httpx.HTTPStatusError) as refused:
+        with pytest.raises(AttemptApiError) as refused:
             other.restored("/s/ck9", step=9, complete=True, written_by=None)
-        assert refused.value.response.status_code == 403
+        assert refused.value.status_code == 403
+        # What a train worker raises reaches Ray's controller pickled: it must come back whole (httpx's own error
+        # does not, and Ray then reported a failed health check instead of the refusal).
+        again = pickle.loads(pickle.dumps(refused.value))
+        assert type(again) is AttemptApiError and again.status_code == 403 and str(again) == str(refused.value)
+        assert "403" in str(again) and "/restored" in str(again)
         url = f"{api.url}/internal/v1/attempts/{job.id}/2/restored"
         headers = {"Authorization": f"Bearer {mine.token}"}
         for body, field in [
