@@ -25,8 +25,9 @@ demo: install
 # Why at once: either tier alone leaves the machine idle part of the time. The fast tier's last minutes are mostly
 # cases that wait on a tick, a timeout or a subprocess (74 % busy over its 5:47 alone, 2026-12-07), and the slow
 # tier's attempts start as chains of single-threaded process starts, and its last minutes ran one lane (90 % busy
-# over its 23:38 alone). Run one after the other they took 29:25 of the 2 cores; the work itself is ~26 minutes of
-# them. Both tiers' waits are bounded by events and generous timeouts, not by the machine being otherwise idle.
+# over its 23:38 alone): 29:25 one after the other. At once, in a fresh-clone .ci/run of 28:12 on 2026-12-07, they
+# took 26:53 (the quick tier 20:54 of it) with the machine 99-100 % busy throughout but its last 3 minutes. Both
+# tiers' waits are bounded by events and generous timeouts, not by the machine being otherwise idle.
 # The fast tier runs at nice 15, the niceness Ray gives every worker process it starts (the slow tier's training
 # workers, controllers, sync actors): the two share the cores evenly, and the processes that wait on them (Ray's own
 # daemons, job supervisors and drivers, `shunter serve`, the slow tier's pytest) come first, as they do when the slow
