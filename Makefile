@@ -17,26 +17,22 @@ install: $(VENV)/.installed
 demo: install
 	bash deploy/demo.sh
 
-# Two runs at once, on the two cores: the fast tier on two pytest-xdist workers, handed out one case at a time
-# (--maxschedchunk 1) in the order tests/conftest.py gives (longest and heaviest first; xdist's default first hands
-# each worker a quarter of its share in one block, so one worker got every long case while the others ran out of
-# work), and the slow tier (real Ray, real processes) on two lanes: each lane runs whole groups (a module, or every
-# multi-node test: tests/conftest.py), the longest groups first, with its own session Ray head.
-# Why at once: either tier alone leaves the machine idle part of the time. The fast tier's last minutes are mostly
-# cases that wait on a tick, a timeout or a subprocess (74 % busy over its 5:47 alone, 2026-12-07), and the slow
-# tier's attempts start as chains of single-threaded process starts, and its last minutes ran one lane (90 % busy
-# over its 23:38 alone): 29:25 one after the other. At once, in a fresh-clone .ci/run of 28:12 on 2026-12-07, they
-# took 26:53 (the quick tier 20:54 of it) with the machine 99-100 % busy throughout but its last 3 minutes. Both
-# tiers' waits are bounded by events and generous timeouts, not by the machine being otherwise idle.
-# The fast tier runs at nice 15, the niceness Ray gives every worker process it starts (the slow tier's training
-# workers, controllers, sync actors): the two share the cores evenly, and the processes that wait on them (Ray's own
-# daemons, job supervisors and drivers, `shunter serve`, the slow tier's pytest) come first, as they do when the slow
-# tier runs alone. At nice 0 the fast tier would take the cores from every training worker for its first minutes; at
-# nice 19 (tried earlier) training took them from it, and its bounded waits (the fuzz run's subprocess) failed.
-# The fast tier's output is kept in .quick.log and printed when it ends (interleaved with the slow tier's, neither
-# would be readable); both runs always run to their end, and `make test` fails if either fails.
-# The warm-up (DeepSpeed's shm_comm op, ~30-38 s of one core when not cached) builds beside them: a test that loads
+# Two runs, one after the other: the fast tier on three pytest-xdist workers for the two cores (its last minutes are
+# mostly tests that wait on a tick, a timeout or a subprocess: with two workers the CPU was 50-80 % idle then; 6:56 with three, 7:51 with
+# two, on 2026-12-06), handed out one case at a time (--maxschedchunk 1) in the order tests/conftest.py gives
+# (longest and heaviest first): xdist's default first hands each worker a quarter of its share in one block, so one
+# worker got every long case while the others ran out of work (8:11-8:52 so; 6:35 one at a time). Then the slow
+# tier (real Ray, real processes) on two lanes: each lane runs whole groups (a module, or every multi-node test:
+# tests/conftest.py), the longest groups first, with its own session Ray head. One lane alone left a core idle a quarter of the time (an attempt's start is a chain of
+# single-threaded process starts); the slow tier's waits are bounded by events and generous timeouts, not by the
+# machine being otherwise idle. Both runs always run.
+# The warm-up (DeepSpeed's shm_comm op, ~38 s of one core when not cached) builds beside the quick tier, whose last
+# minutes leave a core idle, and is waited for before the slow tier, the one that needs it; a quick test that loads
 # the op meanwhile waits on torch's build lock and then loads the same build.
+# They do not run side by side. Tried on 2026-12-07 (the quick tier at nice 15, the niceness Ray gives its workers,
+# beside the slow tier): a fresh-clone .ci/run took 28:12 against ~30:45, the machine 99-100 % busy, but the next
+# run failed three tests on timing under that load (two quick ones, and a script job's last metrics read right after
+# it ended), so the tiers went back to one after the other until those are made load-proof.
 # compileall: every process the tests start imports shunter's own modules (the API, dispatchers, Ray Job drivers,
 # Ray Train's controllers and workers), and where PYTHONDONTWRITEBYTECODE is set, as on these machines, each of them
 # compiled them again from source: ~0.7 CPU-s more for each `shunter serve` start here (1.9 against 1.2).
@@ -48,13 +44,9 @@ test: install
 	$(PY) -m compileall -q -j 0 api service workers examples tests bench
 	rc=0; \
 	$(PY) -m workers.warmup > .warmup.log 2>&1 & warmup=$$!; \
-	timeout -s INT -k 60 $(LEFT) nice -n 15 $(PY) -m pytest -m "not slow" -n 2 --maxschedchunk 1 $(PYTEST_ARGS) \
-		> .quick.log 2>&1 & quick=$$!; \
-	timeout -s INT -k 60 $(LEFT) $(PY) -m pytest -m slow -n 2 --dist loadscope $(PYTEST_ARGS) || rc=$$?; \
-	wait $$quick || rc=$$?; \
-	echo "==================== the fast tier (-m 'not slow'), run beside the slow tier ===================="; \
-	cat .quick.log; \
+	timeout -s INT -k 60 $(LEFT) $(PY) -m pytest -m "not slow" -n 3 --maxschedchunk 1 $(PYTEST_ARGS) || rc=$$?; \
 	wait $$warmup || { cat .warmup.log; echo "workers.warmup failed" >&2; rc=1; }; \
+	timeout -s INT -k 60 $(LEFT) $(PY) -m pytest -m slow -n 2 --dist loadscope $(PYTEST_ARGS) || rc=$$?; \
 	exit $$rc
 
 # What the GPU tier (tests/gpu/run.sh) carries to a device machine, whose image lacks them: DeepSpeed built here as a
