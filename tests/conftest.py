@@ -185,16 +185,18 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
 TIMELINE = os.environ.get("SHUNTER_TEST_TIMELINE")  # a file: one line per test start and end, for the lanes' picture
 
 
-def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+def _timeline(event: str, nodeid: str) -> None:
     if TIMELINE:
         with open(TIMELINE, "a") as out:
-            out.write(f"{time.time():.1f} {os.environ.get('PYTEST_XDIST_WORKER', 'main')} start {nodeid}\n")
+            out.write(f"{time.time():.1f} {os.environ.get('PYTEST_XDIST_WORKER', 'main')} {event} {nodeid}\n")
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+    _timeline("start", nodeid)
 
 
 def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
-    if TIMELINE:
-        with open(TIMELINE, "a") as out:
-            out.write(f"{time.time():.1f} {os.environ.get('PYTEST_XDIST_WORKER', 'main')} end {nodeid}\n")
+    _timeline("end", nodeid)
 
 
 @pytest.fixture(scope="session")
