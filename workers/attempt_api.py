@@ -101,6 +101,8 @@ def transient(exc: BaseException) -> bool:
     """Whether a failed call may succeed if made again (the API down or restarting), rather than a refusal."""
     if isinstance(exc, httpx.HTTPStatusError):
         return exc.response.status_code in TRANSIENT_STATUS
+    if isinstance(exc, AttemptApiError):  # what `AttemptApi` raises for an answer: a 503 is still worth a retry
+        return exc.status_code in TRANSIENT_STATUS
     return isinstance(exc, httpx.TransportError)
 
 

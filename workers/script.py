@@ -339,6 +339,7 @@ def run_script(config: dict[str, Any]) -> None:
         command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
     )
     code = None
+    progress = None
     watching = threading.Event()
     drain.watch_for_script(layout.control, watching)  # a drain notice, passed on to the script's Trainer callback
     try:
@@ -351,11 +352,15 @@ def run_script(config: dict[str, Any]) -> None:
             sys.stdout.flush()
             if progress is not None:
                 progress.feed(text)
+        if progress is not None:
+            progress.close()  # its last points (the final loss) are recorded before the attempt's end is
         code = proc.wait()
         if code == 0 and outputs_uri is not None:
             barrier()  # every rank's script is done writing before the node's last sync (on failure Ray aborts)
     finally:
         watching.set()
+        if progress is not None:
+            progress.close(timeout=0)  # a no-op after the close above; after a failure, nothing more is sent
         if proc.poll() is None:
             proc.kill()
             proc.wait()

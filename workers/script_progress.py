@@ -14,8 +14,11 @@ The parent makes a control directory per child and names it in `SHUNTER_SCRIPT_C
 writes markers there (`CallbackMarkers`): `hf-callback` once a callback exists, so that the same logs are not also
 reported from stdout (with a made-up step), and `saved/<checkpoint-N>` holding the checkpoint's absolute path.
 
-A point the API could not take is dropped, never retried: the stdout reader must not stall the script's output (a
-full pipe blocks the script), and losing one progress point must never fail a training run.
+The reader never waits on the API: the script's output must not stall (a full pipe blocks the script). Points go to
+a queue that one sender thread empties in order; while the API is away the sender keeps them and tries again, and
+the queue holds at most `MAX_PENDING` points (the oldest go first). At the script's end the parent waits up to
+`FLUSH_SECONDS` for the queue to empty (`close`), so the last points, a run's final loss among them, are recorded
+before the attempt's end is. A point the API refuses (a 4xx) is dropped; nothing here ever fails a training run.
 This module is imported by the parent (a Ray Train worker) and must stay free of torch, Ray and transformers.
 """
 
@@ -26,7 +29,9 @@ import json
 import logging
 import math
 import os
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +47,9 @@ SAVED_DIR = "saved"  # saved/<checkpoint dir name>, holding the checkpoint's abs
 MAX_LINE_CHARS = 64 * 1024  # a longer line (after its last '\r') is not progress, and is not parsed
 MAX_STEP = 2**31 - 1  # what the API takes (api.routes.internal.MAX_STEP)
 HF_LOSS_KEYS = frozenset({"loss", "eval_loss", "train_loss"})  # a Trainer log dict has one of these
-QUIET_AFTER_FAILURE_SECONDS = 2.0  # the API away: drop points for this long rather than wait on each line
+MAX_PENDING = 1000  # points waiting for the API; beyond it the oldest is dropped
+FLUSH_SECONDS = 30.0  # at the script's end, how long the points still queued may take to be sent
+RETRY_SECONDS = (0.25, 5.0)  # the sender's wait after a transient failure: first, and at most (doubling)
 
 
 def _number(value: Any) -> float | int | None:
@@ -123,18 +130,24 @@ class StdoutProgress:
 
     JSON lines are reported at their own `step`. A Trainer log dict has no step: it is reported at its index among the
     log dicts seen (1, 2, ...), unless the child's callback exists (`hf-callback` in `control_dir`), which reports
-    the same logs at their true step. Never raises; a report waits for no retry (`patience=0`), and after a transient
-    failure points are dropped for `QUIET_AFTER_FAILURE_SECONDS` so that a hung API does not stall the script.
+    the same logs at their true step. `feed` never raises and never waits on the API: a point is queued for the
+    sender thread; `close` waits (boundedly) for the queue to be sent.
     """
 
     def __init__(self, api: AttemptApi | None, control_dir: Path | None = None) -> None:
         self.api = api
         self.control_dir = control_dir
         self.reported = 0  # reports the API recorded
+        self.dropped = 0  # points never recorded: refused, over MAX_PENDING, or still queued when `close` gave up
+        self.failed_tries = 0  # sends that failed transiently (and were tried again)
+        self._failing = 0  # failed tries since the last answer
         self._hf_index = 0
         self._callback_seen = False
         self._fenced = False  # the attempt is no longer current: nothing more would land
-        self._quiet_until = 0.0
+        self._pending: deque[tuple[dict[str, float], int]] = deque()  # its head is the point being sent
+        self._closed = False
+        self._changed = threading.Condition()
+        self._sender: threading.Thread | None = None
 
     def callback_active(self) -> bool:
         """Whether the child's `ShunterCallback` reports the Trainer's logs (checked until seen, then cached)."""
@@ -143,8 +156,8 @@ class StdoutProgress:
         return self._callback_seen
 
     def feed(self, line: str) -> bool:
-        """Read one line; True when it became a report the API recorded."""
-        if self.api is None or self._fenced:
+        """Read one line; True when it became a point queued for the API."""
+        if self.api is None or self._fenced or self._closed:
             return False
         try:
             values = parse_line(line)
@@ -157,29 +170,96 @@ class StdoutProgress:
             else:
                 self._hf_index += 1
                 step = self._hf_index
-            return self._send(values, step)
+            self._queue(values, step)
+            return True
         except Exception:  # noqa: BLE001 - see module docstring
             log.exception("shunter: could not read a progress line of the script")
             return False
 
+    def close(self, timeout: float = FLUSH_SECONDS) -> bool:
+        """No more lines: wait up to `timeout` s for the queued points to be sent. True when none is left unsent (what
+        is left is dropped and counted)."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+            while self._pending and not self._fenced and time.monotonic() < deadline:
+                self._changed.wait(deadline - time.monotonic())
+            left = len(self._pending)
+            self.dropped += len(self._pending)
+            self._pending.clear()
+            self._changed.notify_all()
+        if left and not self._fenced and self.api is not None:
+            log.warning("shunter: %d progress point(s) of job %s unsent after %.0fs, dropped", left, self.api.job_id,
+                        timeout)  # fmt: skip
+        return left == 0 or self._fenced
+
+    def _queue(self, values: dict[str, float], step: int) -> None:
+        with self._changed:
+            if len(self._pending) >= MAX_PENDING:
+                self._pending.popleft()
+                self.dropped += 1
+            self._pending.append((values, step))
+            self._changed.notify_all()
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._send_all, name="shunter-script-progress", daemon=True)
+                self._sender.start()
+
+    def _send_all(self) -> None:
+        """The sender thread: the queue in order, each point until the API records or refuses it (or `close` gives
+        up). The point being sent stays at the head of the queue until then."""
+        delay = RETRY_SECONDS[0]
+        while True:
+            with self._changed:
+                while not self._pending and not self._closed:
+                    self._changed.wait()
+                if not self._pending:
+                    return
+                head = self._pending[0]
+            again = self._send(*head)
+            with self._changed:
+                if not again and self._pending and self._pending[0] is head:
+                    self._pending.popleft()
+                if self._fenced:
+                    self.dropped += len(self._pending)
+                    self._pending.clear()
+                self._changed.notify_all()
+                if self._fenced:
+                    return
+                if again:  # the API away: wait, then the same point again (`close` giving up wakes this)
+                    self._changed.wait(delay)
+                    delay = min(delay * 2, RETRY_SECONDS[1])
+                else:
+                    delay = RETRY_SECONDS[0]
+
     def _send(self, values: dict[str, float], step: int) -> bool:
+        """One try; True when it failed transiently and is to be tried again."""
         assert self.api is not None
-        if time.monotonic() < self._quiet_until:
-            return False
         try:
             recorded = self.api.report(values, step=step, patience=0.0)
         except Exception as exc:  # noqa: BLE001 - see module docstring
             if transient(exc):
-                self._quiet_until = time.monotonic() + QUIET_AFTER_FAILURE_SECONDS
-            log.warning("shunter: progress at step %d of job %s dropped: %s", step, self.api.job_id, exc)
+                with self._changed:
+                    self.failed_tries += 1
+                    self._failing += 1
+                if self._failing == 1:  # once per outage, not per try
+                    log.warning("shunter: progress of job %s not sent yet (step %d), kept to try again: %s",
+                                self.api.job_id, step, exc)  # fmt: skip
+                return True
+            self._failing = 0
+            log.warning("shunter: progress at step %d of job %s refused: %s", step, self.api.job_id, exc)
+            with self._changed:
+                self.dropped += 1
             return False
         if not recorded:
             self._fenced = True
             log.warning("shunter: attempt %d of job %s is no longer current; script progress no longer reported",
                         self.api.attempt, self.api.job_id)  # fmt: skip
             return False
-        self.reported += 1
-        return True
+        with self._changed:
+            self.reported += 1
+            self._failing = 0
+        return False
 
 
 @dataclass(frozen=True)

@@ -123,6 +123,8 @@ def run_script(script: Path, args: list[str], env: dict[str, str], progress: Std
             lines.append(line)
             if progress is not None:
                 progress.feed(line)
+        if progress is not None:
+            assert progress.close(timeout=60)  # as workers.script does at the script's end
         code = proc.wait(timeout=120)
     finally:
         if proc.poll() is None:

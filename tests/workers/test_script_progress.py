@@ -14,11 +14,13 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from service import attempt_tokens
 from service.models import Job, JobState, Metric
 from service.ray_local import free_port
+from tests.conftest import wait_for
 from tests.live_api import add_attempt, live_api
 from tests.service import conftest as service_fixtures
-from workers.attempt_api import AttemptApi
+from workers.attempt_api import AttemptApi, AttemptApiError, transient
 from workers.script_progress import HF_CALLBACK_MARKER, MAX_LINE_CHARS, StdoutProgress, parse_line
 
 db = service_fixtures.db  # the fixture: a SQLite file, or a fresh PostgreSQL database
@@ -140,8 +142,9 @@ def test_stdout_lines_become_metrics_at_their_steps(db: Engine, tmp_path: Path) 
             "{'eval_loss': 1.0, 'epoch': 1.0}",
         ]
         results = [progress.feed(line) for line in lines]
+        assert progress.close()  # every queued point sent before the API goes
     assert results == [False, True, True, False, True, True, True]
-    assert progress.reported == 5
+    assert progress.reported == 5 and progress.dropped == 0
     # JSON lines at their own steps; Trainer log dicts at their index among the log dicts (1, 2, 3)
     assert series(db, job.id) == [(10, 2.0), (1, 1.5), (2, 1.25)]
     assert series(db, job.id, "acc") == [(20, 0.75)]
@@ -164,6 +167,7 @@ def test_trainer_logs_are_left_to_the_callback_once_its_marker_exists(db: Engine
         assert progress.feed('{"step": 7, "loss": 1.0}')  # JSON lines are always reported
         (control / HF_CALLBACK_MARKER).unlink()
         assert not progress.feed("{'loss': 0.5, 'epoch': 0.3}")  # once seen, cached
+        assert progress.close()
     assert series(db, job.id) == [(1, 3.0), (7, 1.0)]
 
 
@@ -173,22 +177,53 @@ def test_without_an_api_nothing_is_sent(tmp_path: Path) -> None:
     assert progress.reported == 0
 
 
-def test_an_unreachable_api_drops_points_without_raising_or_stalling(tmp_path: Path) -> None:
+def test_an_unreachable_api_never_stalls_the_script_and_its_points_are_dropped_at_the_end(tmp_path: Path) -> None:
     api = AttemptApi(f"http://127.0.0.1:{free_port()}", "token", "job", 1)  # nothing listens there
     progress = StdoutProgress(api, control_dir=tmp_path)
     started = time.monotonic()
-    assert [progress.feed(f'{{"step": {i}, "loss": 1.0}}') for i in range(50)] == [False] * 50
-    assert time.monotonic() - started < 5  # one refused connection, then quiet for a moment: no wait per line
-    assert progress._quiet_until > started  # the first failure silenced the next lines
+    assert [progress.feed(f'{{"step": {i}, "loss": 1.0}}') for i in range(50)] == [True] * 50  # queued
+    assert time.monotonic() - started < 5  # the reader never waits on the API (a refused connection each try)
+    assert not progress.close(timeout=1.0)  # the end waits no longer than it is given
+    assert progress.reported == 0 and progress.dropped == 50
+    assert not progress.feed('{"step": 51, "loss": 1.0}')  # closed
+
+
+def test_points_are_kept_while_the_api_is_away_and_arrive_in_order(db: Engine, tmp_path: Path) -> None:
+    """The API down when the script prints (restarting, say): its points wait in the queue and are recorded, in order,
+    once it is back; the script's last point, its final loss, included."""
+    job = running_job(db)
+    port = free_port()
+    token = attempt_tokens.issue(job.id, 1, SECRET)
+    progress = StdoutProgress(AttemptApi(f"http://127.0.0.1:{port}", token, job.id, 1), control_dir=tmp_path)
+    assert all(progress.feed(f'{{"step": {i}, "loss": {1.0 / i}}}') for i in range(1, 21))
+    wait_for(lambda: progress.failed_tries >= 2, timeout=60, what="the sender's tries while nothing listens")
     assert progress.reported == 0
+    with live_api(db, tmp_path, port=port, progress_secret=SECRET):
+        assert progress.close(timeout=60)
+    assert progress.reported == 20 and progress.dropped == 0
+    assert series(db, job.id) == [(i, 1.0 / i) for i in range(1, 21)]
+
+
+def test_the_queue_is_bounded_and_keeps_the_newest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers import script_progress
+
+    monkeypatch.setattr(script_progress, "MAX_PENDING", 5)
+    api = AttemptApi(f"http://127.0.0.1:{free_port()}", "token", "job", 1)  # nothing listens there
+    progress = StdoutProgress(api, control_dir=tmp_path)
+    for i in range(1, 13):
+        progress.feed(f'{{"step": {i}, "loss": 1.0}}')
+    assert [step for _, step in progress._pending] == [8, 9, 10, 11, 12]
+    assert progress.dropped == 7
+    progress.close(timeout=0)
 
 
 def test_a_fenced_attempt_stops_reporting(db: Engine, tmp_path: Path) -> None:
     job = running_job(db, JobState.SUCCEEDED)  # not active: the API answers `recorded: false`
     with live_api(db, tmp_path, progress_secret=SECRET) as api:
         progress = StdoutProgress(api.attempt_api(job.id), control_dir=tmp_path)
-        assert not progress.feed('{"step": 1, "loss": 1.0}')
-        assert progress._fenced
+        assert progress.feed('{"step": 1, "loss": 1.0}')  # queued; the API answers `recorded: false`
+        assert progress.close(timeout=60)  # nothing more to send to an attempt that is over
+        assert progress._fenced and progress.reported == 0
         assert not progress.feed('{"step": 2, "loss": 1.0}')
     assert series(db, job.id) == []
 
@@ -252,3 +287,11 @@ def test_report_never_raises_when_the_api_is_away() -> None:
     attempt_env = {"SHUNTER_PROGRESS_URL": f"http://127.0.0.1:{free_port()}", "SHUNTER_ATTEMPT_TOKEN": "not-a-token",
                    "SHUNTER_JOB_ID": "job", "SHUNTER_ATTEMPT": "1"}  # fmt: skip
     assert run_python(REPORT, attempt_env) == [False] * 6
+
+
+@pytest.mark.parametrize(("status", "again"), [(500, True), (502, True), (503, True), (504, True), (404, False),
+                                               (409, False), (422, False), (429, False)])  # fmt: skip
+def test_an_answer_the_api_may_give_otherwise_later_is_transient(status: int, again: bool) -> None:
+    """`AttemptApi` raises `AttemptApiError` for an answer (not httpx's error): a 503 from an API whose database is away
+    is still tried again, by this module's sender and by the Train reporter's outbox (workers.progress)."""
+    assert transient(AttemptApiError(f"POST report: {status}", status)) is again
