@@ -18,6 +18,7 @@ from starlette.routing import Match, Route
 
 from api import docs, metrics
 from api.deps import RuntimeDep
+from api.gate import FairGate, Gate
 from api.limits import BodyLimit
 from api.routes import cluster as cluster_routes
 from api.routes import code as code_routes
@@ -106,6 +107,12 @@ def create_app(
     }
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, per_path=per_path)
     registry = metrics.install(app)
+    # Outermost: a request waits for its place before its body is read or its latency is timed.
+    gate = Gate(capacity=settings.api_concurrency, waiting_per_caller=settings.api_waiting_per_caller,
+                max_wait_seconds=settings.api_max_wait_seconds)  # fmt: skip
+    app.add_middleware(FairGate, gate=gate)
+    app.state.gate = gate
+    registry.register(metrics.GateCollector(gate))
 
     @app.exception_handler(ShunterError)
     async def _shunter_error(_: Request, exc: ShunterError) -> JSONResponse:

@@ -9,10 +9,11 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.deps import get_caller
+from api.gate import Gate
 from api.schemas import ERROR_RESPONSES
 from service.jobs import Caller
 from service.metrics import DISPATCHER_TICK_SECONDS, DatabaseCollector, InProcess
@@ -46,6 +47,27 @@ class RequestLatency:
             await send(message)
 
         await self.app(scope, receive, timed_send)
+
+
+class GateCollector:
+    """The fair gate's state in this process (api.gate): requests computing and waiting, and those refused."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("shunter_api_requests_computing", "requests holding a place in the API's gate",
+                                value=self.gate.computing())  # fmt: skip
+        yield GaugeMetricFamily("shunter_api_requests_waiting", "requests waiting for a place in the API's gate",
+                                value=self.gate.waiting())  # fmt: skip
+        refused = CounterMetricFamily(
+            "shunter_api_requests_refused",
+            "requests the gate refused: `full` (429, the caller's waiting line full), `late` (503, no place in time)",
+            labels=["reason"],
+        )
+        refused.add_metric(["full"], self.gate.refused_full)
+        refused.add_metric(["late"], self.gate.refused_late)
+        yield refused
 
 
 def install(app: FastAPI) -> CollectorRegistry:

@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy import exc as sa_exc
 from starlette.types import Receive, Scope, Send
 
+from api.gate import step_aside
 from service.errors import ShunterError
 from service.jobs import Caller
 from service.settings import Settings
@@ -137,6 +138,7 @@ class BoundedStream(StreamingResponse):
         self._slot = slot
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        step_aside(scope)  # from here it waits on news, not the CPU: its place in the gate goes to others
         try:
             await super().__call__(scope, receive, send)
         finally:

@@ -8,9 +8,10 @@ attempt can never overwrite the progress of the new one. These writes never touc
 from __future__ import annotations
 
 import math
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import insert, text, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
@@ -93,6 +94,30 @@ def report_rows(metrics: dict[str, Any], checkpoint_uri: str | None, *, progress
     return len(numeric) + (2 if checkpoint_uri else 0)
 
 
+_PG_POINTS = text(
+    "INSERT INTO metrics (job_id, attempt, step, name, value, at) "
+    "SELECT :job_id, :attempt, :step, u.name, u.value, :at "
+    "FROM unnest(CAST(:names AS text[]), CAST(:values AS double precision[])) AS u(name, value)"
+)
+
+
+def _insert_points(
+    session: Session, *, job_id: str, attempt: int, step: int | None, at: datetime, points: dict[str, float]
+) -> None:
+    """A report's metric rows in one statement, no ORM object each: as ORM rows, 256 metrics cost the API 76 ms of
+    CPU a report, and four threads of one job kept every other owner's requests waiting on it (issue 35). On
+    PostgreSQL one INSERT of two arrays; elsewhere the driver's executemany."""
+    if not points:
+        return
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(_PG_POINTS, {"job_id": job_id, "attempt": attempt, "step": step, "at": at,
+                                     "names": list(points), "values": [float(v) for v in points.values()]})  # fmt: skip
+    else:
+        rows = [{"job_id": job_id, "attempt": attempt, "step": step, "name": n, "value": v, "at": at}
+                for n, v in points.items()]  # fmt: skip
+        session.connection().execute(insert(Metric.__table__), rows)  # type: ignore[arg-type]
+
+
 def record_report(
     engine: Engine,
     *,
@@ -163,9 +188,8 @@ def record_report(
         if not _take_rows(session, job_id=job_id, attempt=attempt, rows=rows, max_rows=max_rows):
             session.rollback()
             raise _over_cap(engine, job_id=job_id, attempt=attempt, max_rows=max_rows or 0)
-        for name, value in numeric.items():
-            if name != "step":
-                session.add(Metric(job_id=job_id, attempt=attempt, step=step, name=name, value=value, at=now))
+        _insert_points(session, job_id=job_id, attempt=attempt, step=step, at=now,
+                       points={name: value for name, value in numeric.items() if name != "step"})  # fmt: skip
         if checkpoint_uri:
             session.add(
                 Checkpoint(job_id=job_id, attempt=attempt, step=step, uri=checkpoint_uri, metrics=numeric,

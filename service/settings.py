@@ -114,6 +114,13 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body; 413 beyond")
     max_spec_depth: int = Field(32, ge=4, le=MAX_SPEC_DEPTH, description="deepest nesting a job spec may have")
     max_streams_per_caller: int = Field(8, ge=1, description="concurrent follow streams per caller; 429 beyond")
+    # The fair gate in front of every route but the probes (api.gate, issue 35): this many requests compute at once in
+    # an API process; the others wait (no thread, no session), and each free place goes to the waiting caller with
+    # the fewest computing. A caller may have `api_waiting_per_caller` waiting (429 beyond); none waits longer than
+    # `api_max_wait_seconds` (503).
+    api_concurrency: int = Field(3, ge=1, le=256, description="requests computing at once per API process")
+    api_waiting_per_caller: int = Field(64, ge=1, description="requests one caller may have waiting; 429 beyond")
+    api_max_wait_seconds: float = Field(30.0, gt=0, description="longest a request waits for a place; 503 beyond")
     # A running attempt's log is Ray's, read by byte range in blocks of this size (issue 35): what one request holds of
     # it at most is two blocks and a 64 KiB chunk, and what the API keeps per attempt between polls is one block,
     # whatever the log's size. The dispatcher copies an ended attempt's log out in 64 KiB chunks.

@@ -16,6 +16,7 @@ from sqlmodel import Session
 
 from api import cursors
 from api.deps import CallerDep, RuntimeDep, SessionDep, SettingsDep
+from api.gate import step_aside
 from api.logs import (
     FOLLOW_READ_MAX,
     RayLogReader,
@@ -358,6 +359,7 @@ def job_logs(
     if _log_still_coming(row):
         # The wait takes one of the caller's stream slots, as a follow does (429 beyond `max_streams_per_caller`).
         slot = slots_of(request.app).acquire(caller.owner, runtime.settings.max_streams_per_caller)
+        step_aside(request)  # it waits on the dispatcher, not the CPU: its place in the gate goes to others
         try:
             row = _final_log_awaited(runtime.engine, job.id, row)
         finally:
