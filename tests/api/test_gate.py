@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -19,6 +20,7 @@ from tests.conftest import wait_for
 from tests.live_api import live_api
 from tests.service import conftest as service_fixtures
 
+T = TypeVar("T")
 db = service_fixtures.db  # the fixture: a SQLite file, or a fresh PostgreSQL database
 
 # --- the gate's choices ---------------------------------------------------------------------------------------------
@@ -38,6 +40,13 @@ ORDERS = [
     # a caller back after a turn waits behind one that has not had its turn
     (1, ["A+", "B+", "A+", "C+", "-A", "-B", "-C"], ["A", "B", "C", "A"]),
 ]
+
+
+def in_a_loop_of_its_own(run: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """`asyncio.run(run())` on a thread of its own: the test's thread may have an event loop left running on it by
+    an earlier test in the same worker (asyncio.run refuses to start under one)."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(lambda: asyncio.run(run())).result(timeout=120)
 
 
 async def settle() -> None:
@@ -69,7 +78,7 @@ def test_who_gets_the_next_place(capacity: int, steps: list[str], granted: list[
             task.cancel()
         return order
 
-    assert asyncio.run(run()) == granted
+    assert in_a_loop_of_its_own(run) == granted
 
 
 def test_a_caller_over_its_waiting_line_is_refused_at_once_and_others_are_not() -> None:
@@ -86,7 +95,7 @@ def test_a_caller_over_its_waiting_line_is_refused_at_once_and_others_are_not() 
         for task in [*waiting, other]:
             task.cancel()
 
-    asyncio.run(run())
+    in_a_loop_of_its_own(run)
 
 
 def test_a_request_waits_no_longer_than_the_bound_and_leaves_no_trace() -> None:
@@ -100,7 +109,7 @@ def test_a_request_waits_no_longer_than_the_bound_and_leaves_no_trace() -> None:
         assert gate.computing() == 0
         (await gate.enter("B")).release()
 
-    asyncio.run(run())
+    in_a_loop_of_its_own(run)
 
 
 def test_a_client_that_leaves_gives_its_place_or_its_turn_back() -> None:
@@ -123,7 +132,7 @@ def test_a_client_that_leaves_gives_its_place_or_its_turn_back() -> None:
         place.release()  # idempotent
         assert gate.computing() == 0
 
-    asyncio.run(run())
+    in_a_loop_of_its_own(run)
 
 
 def test_a_place_given_back_from_another_thread_wakes_the_next_request() -> None:
@@ -135,7 +144,7 @@ def test_a_place_given_back_from_another_thread_wakes_the_next_request() -> None
         threading.Timer(0.05, held.release).start()
         (await asyncio.wait_for(gate.enter("B"), timeout=30)).release()
 
-    asyncio.run(run())
+    in_a_loop_of_its_own(run)
 
 
 # --- a flooded API, over HTTP ---------------------------------------------------------------------------------------
