@@ -10,9 +10,9 @@ from typing import Annotated
 from fastapi import Depends, Header, Request
 from sqlmodel import Session
 
+from service.auth import Caller
 from service.db import write_bind
 from service.errors import Unauthorized
-from service.jobs import Caller
 from service.runtime import Runtime
 from service.settings import Settings
 

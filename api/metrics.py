@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.deps import get_caller
 from api.gate import Gate
 from api.schemas import ERROR_RESPONSES
-from service.jobs import Caller
+from service.auth import Caller
 from service.metrics import DISPATCHER_TICK_SECONDS, DatabaseCollector, InProcess
 from service.runtime import Runtime
 

@@ -29,7 +29,7 @@ from sqlmodel import Session
 from api.schemas import STREAM_ERROR_RESPONSES, EventPublic
 from api.streams import DB_UNAVAILABLE, BoundedStream, is_database_outage, open_stream
 from service import jobs, signals
-from service.jobs import Caller
+from service.auth import Caller
 from service.models import Job, JobEvent, JobState
 from service.settings import Settings
 

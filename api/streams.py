@@ -21,8 +21,8 @@ from sqlalchemy import exc as sa_exc
 from starlette.types import Receive, Scope, Send
 
 from api.gate import step_aside
+from service.auth import Caller
 from service.errors import ShunterError
-from service.jobs import Caller
 from service.settings import Settings
 
 RETRY_AFTER_SECONDS = 5

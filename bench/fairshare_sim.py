@@ -37,6 +37,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from service import clock, jobs
+from service.auth import Caller
 from service.db import make_engine, reachable
 from service.dispatcher import Dispatcher
 from service.estimate import estimates
@@ -284,7 +285,7 @@ def _submit(engine: Engine, settings: Settings, due: list[Arrival], rec: Record,
                 "resources": {"num_workers": a.workers}, "timeout_seconds": a.timeout,
                 "runtime_env": {"env_vars": {"SIM_SECONDS": str(a.seconds), "SIM_STEPS": str(a.steps or "")}},
             })  # fmt: skip
-            job, _ = jobs.submit(session, spec, caller=jobs.Caller(owner=a.owner, team=a.team), settings=settings)
+            job, _ = jobs.submit(session, spec, caller=Caller(owner=a.owner, team=a.team), settings=settings)
             rec.jobs[job.id], rec.submitted[job.id] = a, now
         session.commit()
 

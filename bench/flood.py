@@ -197,8 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--db", choices=("postgres", "sqlite"), default="postgres")
     parser.add_argument("--submits", type=int, default=300, help="alice's submits in each phase")
     parser.add_argument("--flood-nice", type=int, default=0, help="the flood process's niceness")
-    parser.add_argument("--without", action="append", default=[], choices=("report", "sweep", "log read"),
-                        help="leave this part out of the flood (to see what each part costs alice)")
+    parser.add_argument(
+        "--without",
+        action="append",
+        default=[],
+        choices=("report", "sweep", "log read"),
+        help="leave this part out of the flood (to see what each part costs alice)",
+    )
     args = parser.parse_args(argv)
     result = run(args.db, args.submits, args.flood_nice, tuple(args.without))
     print(json.dumps(result, indent=2))

@@ -7,6 +7,7 @@ an admin (`bool("false")` is true), and an unknown key is an error, not a grant 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
@@ -15,10 +16,24 @@ from service.errors import Forbidden
 from service.spec import PRIORITY_MAX, PRIORITY_MIN, QUEUE_NAME
 
 if TYPE_CHECKING:
-    from service.jobs import Caller
+    from service.models import Job
 
 # An owner or team name: it is stored on every job and shown in events and listings.
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is asking: jobs are visible to their owner, and to admins."""
+
+    owner: str = "anonymous"
+    admin: bool = True
+    team: str | None = None
+    queues: tuple[str, ...] | None = None  # the queues a non-admin may submit to; None: any
+    max_priority: int | None = None  # the highest priority a non-admin may ask for; None: any
+
+    def may_see(self, job: Job) -> bool:
+        return self.admin or job.owner == self.owner
 
 
 class TokenInfo(BaseModel):

@@ -6,7 +6,6 @@ import hashlib
 import json
 import time
 import weakref
-from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import func, insert, literal
@@ -16,6 +15,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from service import auth, code_archives, dependencies, notify, resources, signals, spec_budget, tenancy
+from service.auth import Caller
 from service.db import base_engine
 from service.errors import Conflict, InvalidSpec, NotFound, StaleWrite
 from service.models import Attempt, Checkpoint, ClusterSnapshot, EventKind, Job, JobEvent, JobState, Metric, utcnow
@@ -23,20 +23,6 @@ from service.settings import Settings
 from service.spec import JobSpec
 from service.spec_cache import stored_size
 from service.state import record_event, transition
-
-
-@dataclass(frozen=True)
-class Caller:
-    """Who is asking: jobs are visible to their owner, and to admins."""
-
-    owner: str = "anonymous"
-    admin: bool = True
-    team: str | None = None
-    queues: tuple[str, ...] | None = None  # the queues a non-admin may submit to; None: any
-    max_priority: int | None = None  # the highest priority a non-admin may ask for; None: any
-
-    def may_see(self, job: Job) -> bool:
-        return self.admin or job.owner == self.owner
 
 
 def spec_hash(spec: JobSpec, dumped: dict | None = None) -> str:

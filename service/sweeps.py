@@ -19,8 +19,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from service import jobs, spec_budget, sweep_policy
+from service.auth import Caller
 from service.errors import Conflict, InvalidSpec, NotFound
-from service.jobs import Caller
 from service.models import Job, JobState, Metric, Sweep, utcnow
 from service.settings import Settings
 from service.spec_cache import stored_size

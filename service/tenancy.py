@@ -22,7 +22,7 @@ from service.settings import Settings
 from service.spec import JobSpec
 
 if TYPE_CHECKING:
-    from service.jobs import Caller
+    from service.auth import Caller
 
 RESERVED_PREFIX = "SHUNTER_"  # the job's spec, id, attempt, storage, resume point, progress credential, endpoint
 RESERVED_RAY = frozenset(

@@ -21,7 +21,7 @@ from service.errors import Forbidden, InvalidSpec
 from service.models import Attempt, Job, JobState
 
 if TYPE_CHECKING:
-    from service.jobs import Caller
+    from service.auth import Caller
 
 END_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
 PERCENTILES = (50, 90, 99)

@@ -17,7 +17,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,8 +29,34 @@ from workers.manifest import MANIFEST, STATE
 from workers.proof import prove_checkpoint, recorded_manifest
 from workers.ranks import barrier, world
 
-if TYPE_CHECKING:
-    from workers.strategies.common import Prepared
+
+class Prepared(Protocol):
+    """What saving and loading a checkpoint reads and sets of a prepared run (`workers.strategies.common.Prepared`,
+    named here by what is used, so that this module needs nothing of the strategies that call it)."""
+
+    model: Any
+    module: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    engine: Any
+    scaler: Any
+    device: torch.device
+    step: int
+    epoch: int
+    batch_in_epoch: int
+    extra: dict[str, Any]
+
+    @property
+    def kind(self) -> StrategyKind: ...
+
+    @property
+    def batch_size(self) -> int | None: ...
+
+    @property
+    def samples_in_epoch(self) -> int | None: ...
+
+    def resume_at(self, *, step: int, epoch: int, batch_in_epoch: int) -> None: ...
+
 
 log = logging.getLogger(__name__)
 DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "shunter"

@@ -10,8 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from api.deps import CallerDep, SessionDep, SettingsDep
 from api.schemas import ERROR_RESPONSES
 from service import queues, signals
+from service.auth import Caller
 from service.errors import Forbidden
-from service.jobs import Caller
 from service.numbers import NoBoolNumbers
 from service.quotas import QueueLimit, Quota
 

@@ -10,7 +10,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from service import jobs
-from service.jobs import Caller
+from service.auth import Caller
 from service.spec import JobSpec
 from tests.api.conftest import GOOD, TOKENS
 

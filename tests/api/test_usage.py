@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 
 from api.cli import app as cli
 from service import jobs, usage
+from service.auth import Caller
 from service.errors import InvalidSpec
-from service.jobs import Caller
 from service.metrics import DatabaseCollector
 from service.models import Attempt, EndReason, Job, JobEvent, JobState, utcnow
 from service.spec import JobSpec

@@ -207,8 +207,9 @@ def test_8_a_node_kept_out_names_only_the_callers_own_jobs(db: Engine, tmp_path:
 def test_8_a_preempted_job_is_told_another_owners_job_id_never(db: Engine, tmp_path: Path, same_owner: bool) -> None:  # noqa: F811
     """A preemption event named the job it yielded to, another owner's included. Its own owner's job it still names.
     A real dispatcher on the noop backend (a 2-CPU cluster that each running job fills)."""
+    from service.auth import Caller
     from service.dispatcher import Dispatcher
-    from service.jobs import Caller, submit
+    from service.jobs import submit
     from service.models import JobEvent
     from service.settings import Settings
     from tests.service.test_poison import Backend, ended, run_until

@@ -20,9 +20,10 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from service import attempt_tokens, clock, spec_budget
+from service.auth import Caller
 from service.db import make_engine
 from service.dispatcher import Dispatcher
-from service.jobs import Caller, submit
+from service.jobs import submit
 from service.migrate import upgrade
 from service.models import CodeArchive, Job, JobState
 from service.noop_backend import NoopJobs

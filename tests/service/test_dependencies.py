@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 
 from api.cli import app as cli
 from service import dependencies, jobs, leases, submission
+from service.auth import Caller
 from service.dependency_spec import Condition, OnFailure, references, substitute
 from service.errors import Conflict, InvalidSpec
-from service.jobs import Caller
 from service.models import EndReason, Job, JobDependency, JobEvent, JobState
 from service.settings import Settings
 from service.spec import JobSpec

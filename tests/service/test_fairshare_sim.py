@@ -22,9 +22,10 @@ from sqlmodel import Session
 from bench import fairshare_sim as sim
 from bench.fairshare_report import render, summarise
 from service import clock
+from service.auth import Caller
 from service.backend import Backend, RayJobInfo
 from service.dispatcher import Dispatcher
-from service.jobs import Caller, submit
+from service.jobs import submit
 from service.models import ClusterSnapshot, Job, JobState
 from service.sim_backend import SimJobs
 from service.spec import JobSpec

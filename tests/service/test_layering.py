@@ -47,16 +47,10 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _type_checking_only(node: ast.AST) -> bool:
-    test = getattr(node, "test", None) if isinstance(node, ast.If) else None
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(path: Path, module: str, known: set[str]) -> set[str]:
-    """The project modules `module` imports anywhere in its source, inside functions too (a lazy import still runs,
-    and only postpones the cycle to the first call); `if TYPE_CHECKING:` blocks aside, which never run.
+    """The project modules `module` imports anywhere in its source: inside functions too (a lazy import still runs,
+    and only postpones the cycle to the first call), and under `if TYPE_CHECKING:` (it never runs, but a cycle a
+    type checker needs is still two modules that know each other: issue 36).
 
     An import names one module: `from a.b import c` is a.b.c when that is a module, else a.b; `import a.b.c` is
     a.b.c. The parent packages Python initialises on the way are not edges: counting them would make every
@@ -71,10 +65,6 @@ def _imports(path: Path, module: str, known: set[str]) -> set[str]:
         return name
 
     def visit(node: ast.AST) -> None:
-        if _type_checking_only(node):
-            for child in node.orelse:  # type: ignore[attr-defined]
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             found.update(known_prefix(alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

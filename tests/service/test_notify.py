@@ -21,8 +21,9 @@ from sqlmodel import Session, select
 
 from api.app import create_app
 from service import notify
+from service.auth import Caller
 from service.errors import InvalidSpec, StaleWrite
-from service.jobs import Caller, submit
+from service.jobs import submit
 from service.models import Job, JobState
 from service.notify_models import Notification, NotifySecret
 from service.notify_spec import DEFAULT_EVENTS, STATE_NAMES, ClusterWebhook

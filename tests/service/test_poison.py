@@ -18,10 +18,11 @@ from sqlalchemy import text, update
 from sqlalchemy.engine import Connection, Engine
 from sqlmodel import Session, col, select
 
+from service.auth import Caller
 from service.backend import ClusterView, NodeView, RayJobInfo, submission_id
 from service.db import make_engine
 from service.dispatcher import Dispatcher
-from service.jobs import Caller, submit
+from service.jobs import submit
 from service.models import Attempt, EndReason, Job, JobEvent, JobState, utcnow
 from service.noop_backend import NoopJobs
 from service.settings import Settings

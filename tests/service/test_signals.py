@@ -19,8 +19,9 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from service import progress, signals
+from service.auth import Caller
 from service.dispatcher import Dispatcher
-from service.jobs import Caller, submit
+from service.jobs import submit
 from service.models import Attempt, EndReason, Job, JobEvent, JobState
 from service.noop_backend import NoopJobs
 from service.settings import Settings
@@ -226,7 +227,8 @@ CANCEL_ELSEWHERE = """
 import sys, time
 from sqlmodel import Session
 from service.db import make_engine
-from service.jobs import Caller, cancel
+from service.auth import Caller
+from service.jobs import cancel
 engine = make_engine(sys.argv[1])
 with Session(engine) as session:
     cancel(session, sys.argv[2], caller=Caller())

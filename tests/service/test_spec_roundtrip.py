@@ -20,8 +20,9 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
+from service.auth import Caller
 from service.db import session_scope
-from service.jobs import Caller, submit
+from service.jobs import submit
 from service.models import Job, JobState
 from service.spec import JobSpec
 

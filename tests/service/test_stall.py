@@ -15,8 +15,9 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from service import clock, progress
+from service.auth import Caller
 from service.dispatcher import Dispatcher
-from service.jobs import Caller, submit
+from service.jobs import submit
 from service.models import EndReason, Job, JobEvent, JobState
 from service.noop_backend import NoopJobs
 from service.settings import Settings

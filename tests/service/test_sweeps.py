@@ -18,8 +18,8 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from service import sweep_policy, sweeps
+from service.auth import Caller
 from service.errors import Conflict, InvalidSpec
-from service.jobs import Caller
 from service.models import EndReason, Job, JobState, Metric, Sweep
 from service.settings import Settings
 from service.spec import JobSpec

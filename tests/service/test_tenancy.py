@@ -24,7 +24,7 @@ from sqlalchemy.engine import Engine
 from api.app import create_app
 from api.client import zip_directory
 from service import code_store
-from service.jobs import Caller
+from service.auth import Caller
 from service.ray_jobs import RayJobs
 from service.runtime import Runtime
 from service.settings import Settings

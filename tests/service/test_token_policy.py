@@ -22,10 +22,9 @@ from sqlalchemy.engine import Engine
 
 from api.app import create_app
 from service import jobs
-from service.auth import TokenInfo
+from service.auth import Caller, TokenInfo
 from service.db import session_scope
 from service.errors import Forbidden
-from service.jobs import Caller
 from service.models import JobState
 from service.runtime import Runtime
 from service.settings import Settings
