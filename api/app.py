@@ -24,6 +24,7 @@ from api.routes import cluster as cluster_routes
 from api.routes import code as code_routes
 from api.routes import events as events_routes
 from api.routes import internal as internal_routes
+from api.routes import job_logs as job_logs_routes
 from api.routes import jobs as jobs_routes
 from api.routes import notifications as notifications_routes
 from api.routes import queues as queues_routes
@@ -191,6 +192,7 @@ def create_app(
         return JSONResponse(status_code=200 if ready else 503, content=body)
 
     app.include_router(jobs_routes.router)
+    app.include_router(job_logs_routes.router)
     app.include_router(notifications_routes.router)
     app.include_router(events_routes.router)
     app.include_router(cluster_routes.router)

@@ -1,7 +1,8 @@
 """`shunter`: run the service (`serve`, `api`, `dispatcher`, `db`) and talk to it (`submit`, `status`, `watch`, ...).
 
 The root app only mounts the two halves: `api.launchers` (commands that start a process or open the database) and
-`api.commands` (plain clients of the REST API through `api.client`; they work against any shunter server).
+`api.commands` and `api.report_commands` (plain clients of the REST API through `api.client`; they work against any
+shunter server).
 This module stays the entry point: the `shunter` console script and `python -m api.cli`.
 """
 
@@ -9,13 +10,13 @@ from __future__ import annotations
 
 import typer
 
-from api import commands, launchers, sweep_commands
+from api import commands, launchers, report_commands, sweep_commands
 
 app = typer.Typer(help="shunter: a durable queue in front of Ray Train.", no_args_is_help=True, add_completion=False)
 
 # Copy the commands (and the `db` group) onto the root rather than `app.add_typer(part)`: merging a nameless
 # sub-app needs typer >= 0.15, and pyproject allows 0.12. Launchers first, so `--help` lists them first.
-for part in (launchers.app, commands.app):
+for part in (launchers.app, commands.app, report_commands.app):
     app.registered_commands.extend(part.registered_commands)
     app.registered_groups.extend(part.registered_groups)
 app.add_typer(sweep_commands.app, name="sweep")  # a named group: fine on typer 0.12

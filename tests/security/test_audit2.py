@@ -337,7 +337,7 @@ def test_2_log_reads_that_wait_hold_no_connection_and_are_capped_per_caller(
 
     from sqlalchemy import update
 
-    import api.routes.jobs as job_routes
+    import api.routes.job_logs as job_routes
     from service.models import Attempt, utcnow
 
     monkeypatch.setattr(job_routes, "LATE_LOG_WAIT_SECONDS", 6.0)

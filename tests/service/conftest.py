@@ -336,6 +336,10 @@ def multinode_cluster(tmp: Path) -> Iterator[MultiNode]:
             "include_dashboard": True,
             "dashboard_host": "127.0.0.1",
             "dashboard_port": dashboard_port,
+            # Ray's default (52365) is taken by any other head on this machine that kept it (another test run's
+            # cluster): the second head's agent then serves no HTTP, and every job submission to it is refused
+            # ("No available agent") until it times out. The added nodes already pick a free one (cluster_utils).
+            "dashboard_agent_listen_port": free_port(),
             "resources": {"head": 1},
             "setup_worker_path": LAUNCHER,  # as service.ray_start's nodes: Ray's set-up step without importing Ray
             # A node removed without grace is given up after 3 missed health checks 1 s apart instead of Ray's 5
