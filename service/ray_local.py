@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -41,7 +42,29 @@ class LocalHead:
 RAY_START = (sys.executable, "-m", "service.ray_start")
 
 
+# Ports a head is told to listen on are picked below the kernel's ephemeral range and above Ray's worker ports
+# (10002-19999). A port picked free from the ephemeral range could be handed, before Ray binds it, to any socket that
+# binds port 0 or connects out: a slow run lost its whole lane when another cluster's raylet, starting meanwhile,
+# took the port just picked for this head's dashboard agent (which then serves no HTTP: "No available agent").
+PICK_LOW = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
+    """A port free now on every address, outside the range the kernel hands out by itself (see PICK_LOW); from that
+    range only when it leaves no room below it."""
+    high = _ephemeral_low() - 1
+    if high - PICK_LOW >= 1000:
+        for _ in range(200):
+            port = random.randint(PICK_LOW, high)
+            if _port_free(port, "0.0.0.0"):
+                return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -200,10 +223,10 @@ def _dashboard_log_tail(temp_dir: str, chars: int = 3000) -> str:
     return "\n".join(parts) or f"(no dashboard log under {logs})"
 
 
-def _port_free(port: int) -> bool:
+def _port_free(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as sock:
         try:
-            sock.bind(("127.0.0.1", port))
+            sock.bind((host, port))
         except OSError:
             return False
     return True

@@ -92,3 +92,21 @@ def _alive(pid: int) -> bool:
     with contextlib.suppress(psutil.Error):
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     return False
+
+
+def test_ports_a_head_is_told_to_take_lie_outside_the_range_the_kernel_hands_out() -> None:
+    """A port picked free inside the kernel's ephemeral range can be handed to another socket (a raylet's gRPC server
+    binding port 0, any outgoing connection) before Ray binds it: a test cluster's head once lost its dashboard agent's
+    port so, and answered every submission "No available agent". `free_port` picks below that range, and above Ray's
+    worker ports, a port free on every address."""
+    import socket
+
+    from service import ray_local
+
+    low = ray_local._ephemeral_low()
+    picks = [ray_local.free_port() for _ in range(200)]
+    assert all(ray_local.PICK_LOW <= p < low for p in picks), picks
+    assert len(set(picks)) > 150  # spread over the range, not one port again and again
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", picks[0]))
+        assert not ray_local._port_free(picks[0], "0.0.0.0") and not ray_local._port_free(picks[0])
