@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import hashlib
 import itertools
-import json
 import threading
 import time
 from collections import Counter, deque
@@ -34,6 +33,8 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.limits import refuse
 
 SCOPE_KEY = "shunter.gate"  # the request's place, in its ASGI scope
 EXEMPT_PATHS = frozenset({"/healthz", "/readyz"})  # the probes: cheap, and never to be queued behind a flood
@@ -153,6 +154,8 @@ class Gate:
                 queue.remove(waiter)
             if not queue:
                 del self._queues[waiter.key]
+                if not self._computing[waiter.key]:
+                    self._served.pop(waiter.key, None)  # idle: forgotten, as in `_release`
 
     def _release(self, place: Place) -> None:
         with self._lock:
@@ -228,11 +231,11 @@ class FairGate:
         try:
             place = await self.gate.enter(key)
         except Full:
-            await _refuse(send, 429, "too_many_requests", f"this caller already has {self.gate.waiting_per_caller} "
+            await refuse(send, 429, "too_many_requests", f"this caller already has {self.gate.waiting_per_caller} "
                           "requests waiting for the API in this process; retry after 1s", retry_after=1)  # fmt: skip
             return
         except Late:
-            await _refuse(send, 503, "unavailable", f"no place for this request in {self.gate.max_wait_seconds:.0f}s; "
+            await refuse(send, 503, "unavailable", f"no place for this request in {self.gate.max_wait_seconds:.0f}s; "
                           "the API is busy, try again", retry_after=5)  # fmt: skip
             return
         scope[SCOPE_KEY] = place
@@ -257,15 +260,3 @@ def step_aside(scope_or_request: Scope | Request) -> None:
     place = scope.get(SCOPE_KEY)
     if isinstance(place, Place):
         place.release()
-
-
-async def _refuse(send: Send, status: int, code: str, detail: str, *, retry_after: int) -> None:
-    body = json.dumps({"detail": detail, "code": code}).encode()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"retry-after", str(retry_after).encode()),
-        (b"connection", b"close"),  # its body was never read: this connection cannot carry another request
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

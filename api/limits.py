@@ -85,13 +85,19 @@ def _declared_length(scope: Scope) -> int:
 
 
 async def _refuse(send: Send, limit: int) -> None:
-    body = json.dumps({"detail": f"request body is larger than {limit} bytes", "code": "too_large"}).encode()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"connection", b"close"),  # the rest of the body is never read: this connection cannot carry another
-    ]
-    await send({"type": "http.response.start", "status": 413, "headers": headers})
+    await refuse(send, 413, "too_large", f"request body is larger than {limit} bytes")
+
+
+async def refuse(send: Send, status: int, code: str, detail: str, *, retry_after: int | None = None) -> None:
+    """Answer a request below the application, its body unread (the body bound here, the gate in api.gate): the
+    API's error body, and `Connection: close`, since the rest of the body is never read and this connection cannot
+    carry another request."""
+    body = json.dumps({"detail": detail, "code": code}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
