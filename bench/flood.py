@@ -141,14 +141,13 @@ def _flood(url: str, job_id: str, token: str, nice: int, without: tuple[str, ...
     report_path = f"/internal/v1/attempts/{job_id}/1/report"
     sweep = {"base": SPEC | {"config": {"blob": "x" * 4000}}, "count": 100}
     mallory = {"Authorization": f"Bearer {MALLORY}"}
-    threads = [
-        *(threading.Thread(target=loop, args=("report", {"Authorization": f"Bearer {token}"},
-                                              lambda c: c.post(report_path, json=report))) for _ in range(4)),
-        threading.Thread(target=loop, args=("sweep", mallory, lambda c: c.post("/v1/sweeps", json=sweep))),
-        *(threading.Thread(target=loop, args=("log read", mallory, lambda c: c.get(f"/v1/jobs/{job_id}/logs")))
-          for _ in range(8)),
-    ]  # fmt: skip
-    threads = [t for t in threads if t._args[0] not in without]  # type: ignore[attr-defined]
+    parts = [  # what, how many threads, their headers, each one's call
+        ("report", 4, {"Authorization": f"Bearer {token}"}, lambda c: c.post(report_path, json=report)),
+        ("sweep", 1, mallory, lambda c: c.post("/v1/sweeps", json=sweep)),
+        ("log read", 8, mallory, lambda c: c.get(f"/v1/jobs/{job_id}/logs")),
+    ]
+    threads = [threading.Thread(target=loop, args=(what, headers, call))
+               for what, n, headers, call in parts if what not in without for _ in range(n)]  # fmt: skip
     for t in threads:
         t.start()
     stop.wait()
