@@ -133,6 +133,7 @@ class _Entry:
     lock: threading.Lock = field(default_factory=threading.Lock)
     fetched_at: float | None = None
     view: RayLogView | None = None
+    error: InfraError | None = None  # Ray did not answer the last look
 
 
 class RayLogs:
@@ -148,7 +149,9 @@ class RayLogs:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
 
     def view(self, ray: Any, submission_id: str, *, max_age: float, block: int) -> RayLogView | None:
-        """The log's size and last block, or None when Ray does not answer or does not know the submission."""
+        """The log's size and last block, or None when Ray does not know the submission (not submitted yet: an
+        attempt's row is written before its submission). `InfraError` when Ray does not answer: that answer is kept
+        for `max_age` too, so a Ray that is away is not asked by every request."""
         now = time.monotonic()
         with self._lock:
             for key in [k for k, e in self._entries.items() if e.fetched_at and now - e.fetched_at > self.KEEP_SECONDS]:
@@ -159,15 +162,16 @@ class RayLogs:
             while len(self._entries) > self.MAX_ENTRIES:
                 self._entries.popitem(last=False)  # an entry being refreshed now is simply not kept for others
         with entry.lock:  # one look at a time per submission: the others wait for it and share it
-            if entry.fetched_at is not None and time.monotonic() - entry.fetched_at < max_age:
-                return entry.view
-            before = entry.view if entry.view is not None and len(entry.view.block) <= block else None
-            try:
-                entry.view = _looked(ray, submission_id, before, block)
-            except InfraError:
-                log.debug("Ray did not answer for the log of %s", submission_id, exc_info=True)
-                entry.view = None
-            entry.fetched_at = time.monotonic()
+            if entry.fetched_at is None or time.monotonic() - entry.fetched_at >= max_age:
+                before = entry.view if entry.view is not None and len(entry.view.block) <= block else None
+                try:
+                    entry.view, entry.error = _looked(ray, submission_id, before, block), None
+                except InfraError as exc:
+                    log.debug("Ray did not answer for the log of %s", submission_id, exc_info=True)
+                    entry.view, entry.error = None, exc
+                entry.fetched_at = time.monotonic()
+            if entry.error is not None:
+                raise entry.error
             return entry.view
 
 

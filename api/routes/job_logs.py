@@ -135,10 +135,14 @@ def job_logs(
     # A running attempt's log is Ray's, read by byte range: this request holds at most two blocks of it
     # (`ray_log_block_bytes`), whatever its size (issue 35).
     block = runtime.settings.ray_log_block_bytes
-    view = ray_logs_of(request.app).view(runtime.ray, row.submission_id, max_age=FOLLOW_POLL_SECONDS, block=block)
-    if view is None and row.ended_at is None:
-        raise InfraError(f"the log of running attempt {number} is with Ray, which does not answer; try again")
-    if view is None:
+    try:
+        view = ray_logs_of(request.app).view(runtime.ray, row.submission_id, max_age=FOLLOW_POLL_SECONDS, block=block)
+    except InfraError:
+        if row.ended_at is None:
+            detail = f"the log of running attempt {number} is with Ray, which does not answer; try again"
+            raise InfraError(detail) from None
+        view = None  # an ended attempt whose log was not kept: what there is, is nothing
+    if view is None:  # Ray has no such submission: not submitted yet (the row is written first), or its log is gone
         return Response(b"", media_type=TEXT, headers={"X-Next-Offset": "0"})
     reader = RayLogReader(runtime.ray, view, block)
     start, end = byte_range(reader.read, view.size, offset=offset, tail=tail, limit=limit_bytes)
@@ -234,8 +238,12 @@ async def _follow(
                 sent += len(chunk)
         else:
             block = runtime.settings.ray_log_block_bytes
-            view = await asyncio.to_thread(ray_logs.view, runtime.ray, row.submission_id, max_age=FOLLOW_POLL_SECONDS,
-                                           block=block)  # fmt: skip
+            try:
+                view = await asyncio.to_thread(ray_logs.view, runtime.ray, row.submission_id,
+                                               max_age=FOLLOW_POLL_SECONDS, block=block)  # fmt: skip
+            except InfraError as exc:  # Ray is away: look again at the next poll
+                log.warning("log follow of %s: %s", row.submission_id, exc.detail)
+                view = None
             if view is not None:
                 reader = RayLogReader(runtime.ray, view, block)
                 try:

@@ -20,6 +20,7 @@ from sqlmodel import Session, select
 
 from api.logs import RayLogReader, RayLogs, byte_range
 from service.db import make_engine
+from service.errors import InfraError
 from service.host_files import HostFiles
 from service.late_logs import LateLogs
 from service.migrate import upgrade
@@ -108,6 +109,40 @@ def test_a_growing_log_is_seen_grow_one_block_kept(ray_http: RayLogHttp) -> None
         assert past_the_end is not None and (past_the_end.data, past_the_end.size) == (b"", 10_021)
     finally:
         ray.close()
+
+
+def test_a_ray_that_does_not_answer_is_told_apart_from_one_that_has_no_such_job(tmp_path: Path) -> None:
+    """None is Ray's word that it has no such submission (an attempt not submitted yet: its log is empty); Ray away
+    raises, and that answer is kept for `max_age` as a view is: requests meanwhile do not ask a Ray that is away."""
+    from service.ray_local import free_port
+
+    closed = RayJobs(f"http://127.0.0.1:{free_port()}")
+    cache = RayLogs()
+    asked = 0
+    real = closed.log_range
+
+    def counted(submission_id: str, start: int, length: int):  # type: ignore[no-untyped-def]
+        nonlocal asked
+        asked += 1
+        return real(submission_id, start, length)
+
+    closed.log_range = counted  # type: ignore[method-assign]
+    try:
+        for _ in range(3):
+            with pytest.raises(InfraError):
+                cache.view(closed, SID, max_age=60, block=4096)
+        assert asked == 1
+        with pytest.raises(InfraError):
+            cache.view(closed, SID, max_age=0, block=4096)
+        assert asked == 2
+    finally:
+        closed.close()
+    with ray_log_http(tmp_path / "ray-logs") as served:
+        ray = RayJobs(served.dashboard_url)
+        try:
+            assert cache.view(ray, "shunter-unknown-1", max_age=0, block=4096) is None
+        finally:
+            ray.close()
 
 
 def test_an_agent_out_of_reach_falls_back_to_the_heads_state_api(tmp_path: Path) -> None:

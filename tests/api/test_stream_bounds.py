@@ -39,7 +39,7 @@ from service.ray_local import free_port
 from service.runtime import Runtime
 from service.settings import Settings
 from service.state import transition
-from tests.api.conftest import GOOD, TOKENS
+from tests.api.conftest import GOOD, TOKENS, offline_settings
 from tests.conftest import wait_for
 from tests.service.conftest import PG_ADMIN_URL, fresh_pg_database
 
@@ -211,6 +211,46 @@ def _ended_attempt(runtime: Runtime, job_id: str, *, log_uri: str | None = None)
                             ended_at=utcnow() + timedelta(seconds=1), log_uri=log_uri))  # fmt: skip
         transition(session, job, to=JobState.FAILED, reason="user_error")
         session.commit()
+
+
+def _running_attempt(runtime: Runtime, job_id: str) -> str:
+    """What a dispatcher writes before it submits an attempt: the job STARTING on attempt 1, its row not ended."""
+    with Session(runtime.engine) as session:
+        job = session.get(Job, job_id)
+        assert job is not None
+        transition(session, job, to=JobState.STARTING, reason="admitted", values={"attempt": 1})
+        session.add(Attempt(job_id=job_id, number=1, submission_id=submission_id(job_id, 1)))
+        session.commit()
+    return submission_id(job_id, 1)
+
+
+def test_a_running_attempts_log_is_empty_until_submitted_and_503_only_while_ray_is_away(
+    app_client: Callable[..., TestClient], tmp_path: Path
+) -> None:
+    """The attempt's row is written before its submission: a read in between gets its log as it is, empty (a 503
+    there was a server error seen by schemathesis' stateful run). Only a Ray that does not answer is a 503."""
+    (tmp_path / "noop-api").mkdir()  # its own database: app_client's is in tmp_path
+    settings = offline_settings(tmp_path / "noop-api", backend=f"noop:{tmp_path / 'noop'}")
+    runtime = Runtime.open(settings)
+    try:
+        with TestClient(create_app(runtime=runtime), raise_server_exceptions=False) as c:
+            job = c.post("/v1/jobs", json=GOOD).json()["id"]
+            sid = _running_attempt(runtime, job)
+            r = c.get(f"/v1/jobs/{job}/logs")
+            assert (r.status_code, r.content, r.headers["X-Next-Offset"]) == (200, b"", "0")
+            with c.stream("GET", f"/v1/jobs/{job}/logs", params={"follow": "true", "timeout_seconds": 1}) as stream:
+                assert stream.status_code == 200 and stream.read() == b""
+            runtime.ray.submit(submission_id=sid, entrypoint="x", runtime_env={}, metadata={})
+            # Seen once the shared view is older than its poll (one second).
+            wait_for(lambda: c.get(f"/v1/jobs/{job}/logs").text == f"noop job {sid}\n", timeout=10)
+    finally:
+        runtime.close()
+    away = app_client()  # Ray at a closed port
+    job = away.post("/v1/jobs", json=GOOD).json()["id"]
+    _running_attempt(away.app.state.runtime, job)
+    r = away.get(f"/v1/jobs/{job}/logs")
+    assert r.status_code == 503 and r.json()["code"] == "unavailable", r.text
+    assert "does not answer" in r.json()["detail"]
 
 
 def test_a_1gib_log_is_served_by_range_in_flat_memory(app_client: Callable[..., TestClient]) -> None:
