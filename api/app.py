@@ -33,9 +33,9 @@ from api.routes import ui as ui_routes
 from api.routes import usage as usage_routes
 from api.schemas import ReadyBody
 from api.streams import RETRY_AFTER_SECONDS, is_database_outage
-from service.errors import ShunterError
+from service.config.settings import Settings
+from service.core.errors import ShunterError
 from service.runtime import Runtime
-from service.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from rich.table import Table
 from api.client import ApiError, Client
 from api.console import console, err
 from api.schemas import EventPublic
-from service import preflight
+from service.lifecycle import preflight_results
 
 app = typer.Typer(help="Talk to a shunter server.", no_args_is_help=True, add_completion=False)
 
@@ -143,10 +143,10 @@ def status(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None,
         if value is not None:
             table.add_row(f"[bold]{key}[/bold]", escape(str(value)))
     current = next((a for a in attempts if a.number == job.attempt), None)
-    checked = preflight.summary(current.preflight) if current is not None else None
+    checked = preflight_results.summary(current.preflight) if current is not None else None
     if checked:
         table.add_row("[bold]preflight[/bold]", escape(f"attempt {job.attempt}: {checked}"))
-    for dep in job.dependencies or []:  # depends_on (service.dependencies)
+    for dep in job.dependencies or []:  # depends_on (service.workflows.dependencies)
         named = f", as {dep.as_}" if dep.as_ else ""
         handed = f", checkpoint {dep.checkpoint}" if dep.checkpoint else ""
         table.add_row(

@@ -6,7 +6,7 @@ import base64
 from datetime import datetime
 from typing import Protocol
 
-from service.errors import InvalidSpec
+from service.core.errors import InvalidSpec
 
 
 class Paged(Protocol):

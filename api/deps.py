@@ -10,11 +10,11 @@ from typing import Annotated
 from fastapi import Depends, Header, Request
 from sqlmodel import Session
 
-from service.auth import Caller
-from service.db import write_bind
-from service.errors import Unauthorized
+from service.config.settings import Settings
+from service.core.errors import Unauthorized
 from service.runtime import Runtime
-from service.settings import Settings
+from service.store.db import write_bind
+from service.tenancy.auth import Caller
 
 
 # The dependencies that only read what the request or the app holds are `async`: FastAPI runs a plain `def` one in

@@ -16,8 +16,8 @@ from api.console import console, err
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from service.config.settings import Settings
     from service.runtime import Runtime
-    from service.settings import Settings
 
 app = typer.Typer(help="Run the service.", no_args_is_help=True, add_completion=False)
 db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
@@ -100,7 +100,7 @@ def dispatcher() -> None:
 
 def _http_settings(host: str | None, port: int | None, insecure: bool) -> Settings:
     """The settings with the command line's bind address, refusing an open bind without tokens."""
-    from service.settings import get_settings
+    from service.config.settings import get_settings
 
     _logging()
     settings = get_settings()
@@ -121,9 +121,9 @@ def _refuse_open_bind(host: str, has_tokens: bool, insecure: bool) -> None:
 @db_app.command("upgrade")
 def db_upgrade(revision: Annotated[str, typer.Argument(help="target revision")] = "head") -> None:
     """Migrate SHUNTER_DATABASE_URL to the newest schema (safe to run from several processes at once)."""
-    from service.db import make_engine
-    from service.migrate import current, upgrade
-    from service.settings import get_settings
+    from service.config.settings import get_settings
+    from service.store.db import make_engine
+    from service.store.migrate import current, upgrade
 
     engine = make_engine(get_settings().database_url)
     upgrade(engine, revision)
@@ -133,8 +133,8 @@ def db_upgrade(revision: Annotated[str, typer.Argument(help="target revision")] 
 @db_app.command("current")
 def db_current() -> None:
     """The schema revision the database is at."""
-    from service.db import make_engine
-    from service.migrate import current
-    from service.settings import get_settings
+    from service.config.settings import get_settings
+    from service.store.db import make_engine
+    from service.store.migrate import current
 
     console.print(current(make_engine(get_settings().database_url)) or "empty (no shunter schema yet)")

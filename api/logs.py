@@ -1,6 +1,6 @@
 """Reading attempt logs in bounded memory: byte ranges and tails of shunter's stored copy (read with seek, never
-whole), and of a running attempt's Ray log (read by range from Ray, never whole: `service.driver_logs`), whose size
-and last block are looked at once per poll interval however many followers ask.
+whole), and of a running attempt's Ray log (read by range from Ray, never whole: `service.backends.driver_logs`), whose
+size and last block are looked at once per poll interval however many followers ask.
 
 Offsets are bytes of the log. The stored copy of an ended attempt is a byte copy of Ray's file, so an offset taken
 while the attempt ran still points at the same place once it has ended.
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from service.errors import InfraError
+from service.core.errors import InfraError
 
 log = logging.getLogger(__name__)
 

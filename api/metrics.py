@@ -15,9 +15,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.deps import get_caller
 from api.gate import Gate
 from api.schemas import ERROR_RESPONSES
-from service.auth import Caller
-from service.metrics import DISPATCHER_TICK_SECONDS, DatabaseCollector, InProcess
+from service.collectors import DatabaseCollector, InProcess
+from service.dispatch.timings import DISPATCHER_TICK_SECONDS
 from service.runtime import Runtime
+from service.tenancy.auth import Caller
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 router = APIRouter(tags=["health"])

@@ -1,4 +1,4 @@
-"""Response bodies of the v1 API (requests are `service.spec.JobSpec`)."""
+"""Response bodies of the v1 API (requests are `service.spec.job.JobSpec`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class Position(BaseModel):
 
 
 class DependencyPublic(BaseModel):
-    """One `depends_on` entry of a job, and where it stands (service.dependencies)."""
+    """One `depends_on` entry of a job, and where it stands (service.workflows.dependencies)."""
 
     model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
 

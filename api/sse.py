@@ -1,10 +1,10 @@
 """Server-Sent Events over the durable event table: read what is new, send it, resume from `Last-Event-ID`.
 
-A stream reads the table when it is told there is news: every write of an event says so (`service.signals`, channel
-`events`, its payload the job's id). On PostgreSQL that comes through LISTEN/NOTIFY from any process, on one
-listening connection per API process (`service.signals.Hub`), fanned out here to the streams that care (`Followers`:
-a job's stream hears its own job, `/v1/events` any); a slow safety read (`SAFETY_POLL_SECONDS`) covers a lost
-notification. Without a connected listener (SQLite, or PostgreSQL while the listener reconnects) a stream reads
+A stream reads the table when it is told there is news: every write of an event says so (`service.store.signals`,
+channel `events`, its payload the job's id). On PostgreSQL that comes through LISTEN/NOTIFY from any process, on one
+listening connection per API process (`service.store.signals.Hub`), fanned out here to the streams that care
+(`Followers`: a job's stream hears its own job, `/v1/events` any); a slow safety read (`SAFETY_POLL_SECONDS`) covers a
+lost notification. Without a connected listener (SQLite, or PostgreSQL while the listener reconnects) a stream reads
 every `POLL_SECONDS` as well, and still hears at once what this process wrote (`serve`: the dispatcher's events).
 
 A stream holds no database connection between reads (each is a short session of its own), ends by itself at its
@@ -28,10 +28,11 @@ from sqlmodel import Session
 
 from api.schemas import STREAM_ERROR_RESPONSES, EventPublic
 from api.streams import DB_UNAVAILABLE, BoundedStream, is_database_outage, open_stream
-from service import jobs, signals
-from service.auth import Caller
-from service.models import Job, JobEvent, JobState
-from service.settings import Settings
+from service.config.settings import Settings
+from service.lifecycle import jobs
+from service.store import signals
+from service.store.models import Job, JobEvent, JobState
+from service.tenancy.auth import Caller
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from sqlalchemy import exc as sa_exc
 from starlette.types import Receive, Scope, Send
 
 from api.gate import step_aside
-from service.auth import Caller
-from service.errors import ShunterError
-from service.settings import Settings
+from service.config.settings import Settings
+from service.core.errors import ShunterError
+from service.tenancy.auth import Caller
 
 RETRY_AFTER_SECONDS = 5
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

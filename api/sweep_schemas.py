@@ -1,4 +1,4 @@
-"""Response bodies of /v1/sweeps (the request is `service.sweep_spec.SweepRequest`)."""
+"""Response bodies of /v1/sweeps (the request is `service.spec.sweep.SweepRequest`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from service.sweep_spec import SweepMetric
+from service.spec.sweep import SweepMetric
 
 
 class SweepMember(BaseModel):

@@ -30,8 +30,8 @@ def drain(kind: str, n_jobs: int, n_dispatchers: int, work: Path) -> dict[str, A
     from sqlalchemy import func
     from sqlmodel import Session, select
 
-    from service.db import make_engine
-    from service.models import Job, JobEvent, JobState
+    from service.store.db import make_engine
+    from service.store.models import Job, JobEvent, JobState
 
     with common.fresh_db(kind, work) as url:
         engine = make_engine(url)
@@ -106,7 +106,7 @@ def _totals(counts: list[Path]) -> tuple[int, int]:
 def _ticking(engine: Any) -> bool:
     from sqlmodel import Session
 
-    from service.models import ClusterSnapshot
+    from service.store.models import ClusterSnapshot
 
     with Session(engine) as s:
         return s.get(ClusterSnapshot, 1) is not None

@@ -110,7 +110,7 @@ def wait_http(url: str, *, timeout: float = 60.0, proc: subprocess.Popen[bytes] 
 
 # ---- databases ------------------------------------------------------------------------------------------------
 def postgres_available() -> bool:
-    from service.db import reachable
+    from service.store.db import reachable
 
     return reachable(PG_ADMIN_URL)
 
@@ -120,8 +120,8 @@ def fresh_db(kind: str, workdir: Path) -> Iterator[str]:
     """A new, migrated database: a SQLite file under workdir, or a new PostgreSQL database (dropped after)."""
     from sqlalchemy import text
 
-    from service.db import make_engine
-    from service.migrate import upgrade
+    from service.store.db import make_engine
+    from service.store.migrate import upgrade
 
     if kind == "sqlite":
         path = workdir / f"bench-{uuid.uuid4().hex[:8]}.db"
@@ -154,7 +154,7 @@ def enqueue(engine: Any, n: int, *, chunk: int = 5000, offset: int = 0) -> None:
     from sqlalchemy import insert
     from sqlmodel import Session
 
-    from service.models import Job, JobEvent, JobState, new_job_id, utcnow
+    from service.store.models import Job, JobEvent, JobState, new_job_id, utcnow
 
     base = utcnow()
     for start in range(0, n, chunk):
@@ -180,7 +180,7 @@ _HEAD: dict[str, Any] = {}
 
 def ray_head() -> Any:
     """One warm local Ray head (2 CPUs) for every part that needs Ray; stopped by close_ray_head()."""
-    from service.ray_local import ensure_local_head
+    from service.backends.ray_local import ensure_local_head
 
     if "head" not in _HEAD:
         data_dir = Path(tempfile.mkdtemp(prefix="shunter-bench-ray-"))
@@ -194,7 +194,7 @@ def ray_head() -> Any:
 
 
 def close_ray_head() -> None:
-    from service.ray_local import stop_local_head
+    from service.backends.ray_local import stop_local_head
 
     if "head" in _HEAD:
         log("stopping the local Ray head")

@@ -67,7 +67,7 @@ def fit_once(torch_config: Any, hold: float) -> dict[str, Any]:
 DRIVER = """
 import sys, time
 t0 = time.process_time()
-from service.spec import JobSpec
+from service.spec.job import JobSpec
 from workers import driver
 spec = JobSpec.model_validate({"entrypoint": {"callable": "examples.mlp:train_loop"}, "resources": {"num_workers": 2}})
 if sys.argv[1] == "before":
@@ -99,7 +99,7 @@ def main() -> None:
     import ray
     from ray.train.torch import TorchConfig
 
-    from service.ray_local import ensure_local_head, stop_local_head
+    from service.backends.ray_local import ensure_local_head, stop_local_head
     from workers.torch_config import LeanTorchConfig
 
     data = Path(tempfile.mkdtemp(prefix="bench-controller-"))

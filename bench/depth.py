@@ -22,11 +22,11 @@ from bench.common import log
 def _admit_latency(engine: Any, url: str, work: Path, passes: int) -> list[float]:
     from sqlalchemy import update
 
-    from service.dispatcher import Dispatcher
-    from service.models import Job, JobState
-    from service.noop_backend import NoopJobs
-    from service.ray_jobs import ClusterView, NodeView
-    from service.settings import Settings
+    from service.backends.noop import NoopJobs
+    from service.backends.ray_jobs import ClusterView, NodeView
+    from service.config.settings import Settings
+    from service.dispatch.dispatcher import Dispatcher
+    from service.store.models import Job, JobState
 
     settings = Settings(database_url=url, backend="noop:x", data_dir=work)
     room = {"CPU": 1.0, "GPU": 0.0, "memory": 1e15}
@@ -105,8 +105,8 @@ def _measure(
 def measure_db(kind: str, depths: list[int], work: Path, quick: bool) -> list[dict[str, Any]]:
     from sqlalchemy import text
 
-    from service.db import make_engine
-    from service.ray_local import free_port
+    from service.backends.ray_local import free_port
+    from service.store.db import make_engine
 
     rows = []
     passes, lists = (8, 10) if quick else (20, 20)

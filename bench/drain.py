@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import log
-from service.ray_local import free_port
+from service.backends.ray_local import free_port
 from tests.conftest import wait_for
 from tests.service.conftest import Service, drain_node, multinode_cluster, service_env, train_worker_nodes
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from statistics import median
 from typing import Any
 
-from bench.fairshare_sim import START, Record, weight_shares
+from bench.fairshare_model import START, Record, weight_shares
 
 USE_KEYS = ("max_running", "max_cpus", "max_gpus")  # index into a sample's [running, cpus, gpus]
 ESTIMATE_TOLERANCE = 0.25

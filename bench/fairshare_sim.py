@@ -1,13 +1,13 @@
 """Issue 15, part 6: fair share, quotas, borrowing and start estimates proven at scale on a simulated cluster.
 
 The noop backend ends every job at once on unlimited CPUs, so it cannot show who gets a finite cluster. Here thousands
-of jobs from several owners and teams run through the real code: `service.jobs.submit`, N real `Dispatcher`s ticking
-at once in threads (real contention on the database and the admission lock), on `SimJobs` (a finite cluster, job
-durations, progress through `service.progress`) and a virtual clock (`service.clock`), which jumps from one event
-(an arrival, a job's end, a preemption grace running out) to the next and steps a tick at a time while the dispatchers
-still change something. After every round it records what is admitted per owner, team and queue, which owners wait,
-each job's first start and, when first seen waiting, its `estimated_start` (`service.estimate`), then `summarise`
-turns that into the numbers the issue asks for. tests/service/test_fairshare_sim.py asserts them.
+of jobs from several owners and teams run through the real code: `service.lifecycle.jobs.submit`, N real `Dispatcher`s
+ticking at once in threads (real contention on the database and the admission lock), on `SimJobs` (a finite cluster, job
+durations, progress through `service.lifecycle.reports`) and a virtual clock (`service.core.clock`), which jumps from
+one event (an arrival, a job's end, a preemption grace running out) to the next and steps a tick at a time while the
+dispatchers still change something. After every round it records what is admitted per owner, team and queue, which
+owners wait, each job's first start and, when first seen waiting, its `estimated_start` (`service.estimate`), then
+`summarise` turns that into the numbers the issue asks for. tests/service/test_fairshare_sim.py asserts them.
 
     python -m bench.fairshare_sim --jobs 2000 --db sqlite --dispatchers 3 [--scenario fair|quota|borrow]
 """
@@ -19,70 +19,39 @@ import contextlib
 import json
 import logging
 import math
-import os
 import random
 import tempfile
 import time
-import uuid
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, text
+from sqlalchemy import func
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from service import clock, jobs
-from service.auth import Caller
-from service.db import make_engine, reachable
-from service.dispatcher import Dispatcher
+from bench.common import PG_ADMIN_URL, fresh_db, postgres_available
+from bench.fairshare_model import START, Arrival, Record, Scenario, weight_shares
+from service.backends.sim import SimJobs
+from service.config.settings import Settings
+from service.core import clock
+from service.dispatch.dispatcher import Dispatcher
 from service.estimate import estimates
-from service.migrate import upgrade
-from service.models import ACTIVE_STATES, Job, JobEvent, JobState
-from service.settings import Settings
-from service.sim_backend import SimJobs, SimRun
-from service.spec import JobSpec
+from service.lifecycle import jobs
+from service.spec.job import JobSpec
+from service.store.db import make_engine
+from service.store.models import ACTIVE_STATES, Job, JobEvent, JobState
+from service.tenancy.auth import Caller
 
-START = datetime(2030, 1, 1, tzinfo=timezone.utc)  # far from today: a wall-clock read in the service shows at once
 RESULTS = Path(__file__).resolve().parent / "results"
-PG_ADMIN_URL = os.environ.get("SHUNTER_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 TEAMS = {"alice": "ml", "bob": "ml", "carol": "cv", "dave": "cv"}
 FAIR_SHARE = {"half_life_hours": 24, "resource_weights": {"CPU": 1, "GPU": 10}, "owner_weights": {"alice": 2},
               "team_weights": {"ml": 2, "cv": 1}}  # fmt: skip
 LIVE = (JobState.QUEUED, *ACTIVE_STATES)
 log = logging.getLogger("fairshare_sim")
-
-
-@dataclass(frozen=True)
-class Arrival:
-    owner: str
-    team: str | None
-    workers: int  # x 1 CPU
-    seconds: float  # how long it runs once placed
-    at: float | None = None  # seconds after the start; None: once its owner has fewer than `keep_waiting` waiting
-    queue: str = "default"
-    steps: int | None = None
-    timeout: float | None = None  # timeout_seconds: all the estimate knows of a waiting job's length
-
-
-@dataclass
-class Scenario:
-    name: str
-    arrivals: list[Arrival]
-    policy: dict[str, Any]  # Settings fields: fair_share, quotas, queues
-    cpus: int = 16
-    keep_waiting: int = 4  # each owner tops its waiting jobs up to this many, from its `at=None` arrivals
-    tick: float = 1.0  # seconds between two rounds while the dispatchers still change something
-    grace: float = 60.0  # preemption_grace_seconds
-    max_jump: float = 300.0  # the clock never skips more (rolling windows, reservations age without an event)
-    report_every: float = 120.0  # seconds between two progress reports of a running job
-
-    def nodes(self) -> dict[str, dict[str, float]]:
-        return {f"n{i}": {"CPU": 4.0, "memory": 64e9} for i in range(self.cpus // 4)}
 
 
 def _jobs(n: int | dict[str, int], owners: list[str] | None = None, *, rng: random.Random, workers: tuple[int, int],
@@ -100,18 +69,6 @@ def _jobs(n: int | dict[str, int], owners: list[str] | None = None, *, rng: rand
             out.append(Arrival(owner, TEAMS.get(owner), rng.randint(*workers), length, at, queue, 2 * length,
                                math.ceil(length * timeout_factor)))  # fmt: skip
     return out
-
-
-def weight_shares(teams: dict[str, str | None], conf: dict[str, Any]) -> dict[str, float]:
-    """Each owner's share by weight, as Fair Tree divides: its team's weight among the teams, then its own weight
-    within its team (`conf`: the fair_share setting; an unnamed team or owner weighs 1)."""
-    team_w, owner_w = conf.get("team_weights") or {}, conf.get("owner_weights") or {}
-    members: dict[str, list[str]] = {}
-    for owner, team in teams.items():
-        members.setdefault(team or "", []).append(owner)
-    total = sum(team_w.get(t, 1.0) for t in members)
-    return {owner: team_w.get(team, 1.0) / total * owner_w.get(owner, 1.0) / sum(owner_w.get(o, 1.0) for o in owners)
-            for team, owners in members.items() for owner in owners}  # fmt: skip
 
 
 def fair(jobs_n: int, *, seed: int = 1, cpus: int = 16, timeout_factor: float = 1.1) -> Scenario:
@@ -162,27 +119,6 @@ SCENARIOS = {"fair": fair, "quota": quota, "borrow": lambda n, **kw: borrow(max(
 def missing_policy(scenario: Scenario) -> list[str]:
     """Policy settings this checkout's `Settings` does not have yet (they would be silently ignored)."""
     return [key for key in scenario.policy if key not in Settings.model_fields]
-
-
-@dataclass
-class Record:
-    """What one simulated run saw, after every round (times: seconds after START)."""
-
-    scenario: Scenario
-    dispatchers: int
-    samples: list[tuple[float, dict[str, list[float]], dict[str, list[float]]]] = field(default_factory=list)
-    admitted: dict[str, float] = field(default_factory=dict)  # job -> first admission
-    starts: dict[str, float] = field(default_factory=dict)  # job -> first admission after it was first seen waiting
-    seen: dict[str, float] = field(default_factory=dict)  # job -> first seen waiting after a round
-    estimates: dict[str, float | None] = field(default_factory=dict)  # job -> estimated start when first seen waiting
-    jobs: dict[str, Arrival] = field(default_factory=dict)
-    submitted: dict[str, float] = field(default_factory=dict)
-    runs: list[SimRun] = field(default_factory=list)
-    estimator: str | None = None  # why estimates were not taken, if not
-    rounds: int = 0
-    tick_failures: dict[str, int] = field(default_factory=dict)  # "Type: message" -> ticks that failed so
-    wall_seconds: float = 0.0
-    end: float = 0.0
 
 
 def settings_for(scenario: Scenario, workdir: Path) -> Settings:
@@ -348,24 +284,15 @@ def _observe(
 
 @contextlib.contextmanager
 def database(kind: str, workdir: Path) -> Iterator[Engine]:
-    """A fresh database with shunter's schema: a SQLite file, or a new PostgreSQL database dropped afterwards."""
-    name, admin = f"shunter_sim_{uuid.uuid4().hex[:12]}", None
-    if kind == "postgres":
-        if not reachable(PG_ADMIN_URL):
-            raise SystemExit(f"PostgreSQL at {PG_ADMIN_URL} is not reachable")
-        admin = make_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-    engine = make_engine(PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}" if admin else f"sqlite:///{workdir / 'sim.db'}")
-    try:
-        upgrade(engine)
-        yield engine
-    finally:
-        engine.dispose()
-        if admin is not None:
-            with admin.connect() as conn:
-                conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-            admin.dispose()
+    """A fresh database with shunter's schema (`bench.common.fresh_db`: PostgreSQL's is dropped afterwards)."""
+    if kind == "postgres" and not postgres_available():
+        raise SystemExit(f"PostgreSQL at {PG_ADMIN_URL} is not reachable")
+    with fresh_db(kind, workdir) as url:
+        engine = make_engine(url)
+        try:
+            yield engine
+        finally:
+            engine.dispose()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,7 @@ import httpx
 
 from bench import common
 from bench.common import log, median, pct
-from service.ray_local import free_port
+from service.backends.ray_local import free_port
 
 RESULTS = common.ROOT / "bench" / "results" / "flood.json"
 ALICE, MALLORY = "alice-bench-token", "mallory-bench-token"
@@ -73,10 +73,10 @@ def running_job_of_mallory(db_url: str) -> tuple[str, str]:
     """A job of mallory's on its first attempt, RUNNING (as the dispatcher leaves one), and that attempt's token."""
     from sqlmodel import Session
 
-    from service import attempt_tokens
-    from service.db import make_engine
-    from service.models import Attempt, Job, JobState
-    from service.spec import JobSpec
+    from service.spec.job import JobSpec
+    from service.store.db import make_engine
+    from service.store.models import Attempt, Job, JobState
+    from service.tenancy import attempt_tokens
 
     engine = make_engine(db_url)
     job = Job(name="flood", owner="mallory", spec=JobSpec.model_validate(SPEC).model_dump(mode="json"),

@@ -122,7 +122,7 @@ def run_bare_ray_job(steps: int, work: Path, head: Any) -> dict[str, Any]:
 
 
 def start_service(head: Any, work: Path, **extra: str) -> tuple[Any, str]:
-    from service.ray_local import free_port
+    from service.backends.ray_local import free_port
 
     port = free_port()
     data = work / f"serve-{uuid.uuid4().hex[:6]}"

@@ -39,11 +39,11 @@ def main() -> None:
     from sqlmodel import Session, select
 
     from bench.statements import Counter
-    from service.db import make_engine
-    from service.dispatcher import Dispatcher
-    from service.models import Job, JobState
-    from service.noop_backend import NoopJobs
-    from service.settings import Settings
+    from service.backends.noop import NoopJobs
+    from service.config.settings import Settings
+    from service.dispatch.dispatcher import Dispatcher
+    from service.store.db import make_engine
+    from service.store.models import Job, JobState
 
     work = Path(tempfile.mkdtemp(prefix="shunter-bench-profile-"))
     with common.fresh_db(args.db, work) as url:

@@ -19,19 +19,19 @@ from pathlib import Path
 import httpx
 from sqlmodel import Session
 
-from service import attempt_tokens
-from service.db import make_engine
-from service.migrate import upgrade
-from service.models import Job, JobState
-from service.progress import record_report
-from service.ray_local import free_port
-from service.settings import Settings
+from service.backends.ray_local import free_port
+from service.config.settings import Settings
+from service.lifecycle.reports import record_report
+from service.store.db import make_engine
+from service.store.migrate import upgrade
+from service.store.models import Job, JobState
+from service.tenancy import attempt_tokens
 from workers.attempt_api import AttemptApi
 
 SERVER = """
 import sys, uvicorn
 from api.app import create_app
-from service.settings import Settings
+from service.config.settings import Settings
 settings = Settings(database_url=sys.argv[1], backend="noop:" + sys.argv[2], data_dir=sys.argv[2])
 uvicorn.run(create_app(settings), host="127.0.0.1", port=int(sys.argv[3]), log_level="warning")
 """

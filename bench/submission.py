@@ -70,7 +70,7 @@ def ray_submit(n: int) -> dict[str, Any]:
 
 
 def run(quick: bool) -> dict[str, Any]:
-    from service.ray_local import free_port
+    from service.backends.ray_local import free_port
 
     work = Path(tempfile.mkdtemp(prefix="shunter-bench-submit-"))
     results: dict[str, Any] = {}

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from bench.common import ROOT, log
-from service.ray_start import LAUNCHER
+from service.backends.ray_start import LAUNCHER
 from workers.launch_worker import ray_setup_worker
 
 CONTEXT = json.dumps({"env_vars": {"SHUNTER_JOB_ID": "bench"}})

@@ -1,9 +1,9 @@
 """Where a queued job stands: its position in admission order and an estimated start, as Slurm's `squeue --start`.
 
-Position is the job's place in the order admission would use now (`service.fairshare.fair_order` over every queued
-job, with the usage admission reads), in its queue and overall, counted from 1.
+Position is the job's place in the order admission would use now (`service.policy.fairshare.fair_order` over every
+queued job, with the usage admission reads), in its queue and overall, counted from 1.
 
-The estimate is a forward replay of admission (`service.forecast`): the service's own fair order, limits, quotas,
+The estimate is a forward replay of admission (`service.policy.forecast`): the service's own fair order, limits, quotas,
 cohorts, backfill and preemption, run from now on over what this module reads:
 
 - each running job frees what it holds at its expected end: the earliest of its timeout (attempt start +
@@ -31,13 +31,15 @@ from typing import Any
 from sqlalchemy import func
 from sqlmodel import Session, col, select
 
-from service import fairshare, forecast, queues, standing
-from service.admission import candidate
-from service.db import base_engine
-from service.models import ACTIVE_STATES, Attempt, ClusterSnapshot, EndReason, Job, JobState, utcnow
-from service.settings import Settings
-from service.spec import JobSpec
-from service.spec_cache import SpecCache, stored_size
+from service.config.settings import Settings
+from service.dispatch.admission import candidate
+from service.lifecycle import queues
+from service.policy import fairshare, forecast
+from service.spec.job import JobSpec
+from service.store import standing
+from service.store.db import base_engine
+from service.store.models import ACTIVE_STATES, Attempt, ClusterSnapshot, EndReason, Job, JobState, utcnow
+from service.store.spec_cache import SpecCache, stored_size
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +185,7 @@ def _spec(job: Job) -> JobSpec | None:
 
 def _compute(session: Session, settings: Settings, now: datetime) -> dict[str, Standing]:
     fair = settings.fair_share_config()
-    # A job waiting on its dependencies (service.dependencies) has no place in admission order yet.
+    # A job waiting on its dependencies (service.workflows.dependencies) has no place in admission order yet.
     queued = session.exec(select(Job).where(Job.state == JobState.QUEUED, Job.waiting_on == 0)).all()
     specs = {job.id: _spec(job) for job in queued}
     candidates = [candidate(j, s) for j in queued if (s := specs[j.id]) is not None]

@@ -9,14 +9,15 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from service import migrate, notify
-from service.db import make_engine
-from service.dispatcher import Dispatcher
-from service.noop_backend import NoopJobs
-from service.ray_jobs import RayJobs
-from service.ray_local import LocalHead, ensure_local_head, stop_local_head
-from service.settings import Settings
-from service.webhooks import Sender
+from service.backends.noop import NoopJobs
+from service.backends.ray_jobs import RayJobs
+from service.backends.ray_local import LocalHead, ensure_local_head, stop_local_head
+from service.config.settings import Settings
+from service.dispatch.dispatcher import Dispatcher
+from service.store import migrate
+from service.store.db import make_engine
+from service.workflows import notifications
+from service.workflows.webhooks import Sender
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class Runtime:
     def open(cls, settings: Settings, *, manage_local_ray: bool = False) -> Runtime:
         engine = make_engine(settings.database_url)
         migrate.upgrade(engine)
-        notify.configure(engine, settings.webhooks)  # cluster-wide targets of the events this process writes
+        notifications.configure(engine, settings.webhooks)  # cluster-wide targets of the events this process writes
         head = None
         ray: Any
         if settings.backend.startswith("noop:"):
@@ -97,8 +98,8 @@ class Runtime:
 
 
 def start_sender(engine: Engine, settings: Settings, stop: threading.Event) -> threading.Thread:
-    """The webhook sender (service.webhooks) runs beside every dispatcher, in a thread of its own: a slow receiver
-    never slows admission."""
+    """The webhook sender (service.workflows.webhooks) runs beside every dispatcher, in a thread of its own: a slow
+    receiver never slows admission."""
     sender = Sender(engine=engine, settings=settings)
     thread = threading.Thread(target=sender.run, args=(stop,), name="webhooks", daemon=True)
     thread.start()
@@ -109,7 +110,7 @@ def run_dispatcher_process(dispatcher_cls: type[Dispatcher] = Dispatcher) -> Non
     """`shunter dispatcher`: one dispatcher loop in this process until SIGINT or SIGTERM."""
     import signal
 
-    from service.settings import get_settings
+    from service.config.settings import get_settings
 
     settings = get_settings()
     runtime = Runtime.open(settings)

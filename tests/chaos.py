@@ -36,8 +36,8 @@ from typing import Any
 import httpx
 from sqlalchemy import text
 
-from service.db import make_engine
-from service.ray_local import free_port
+from service.backends.ray_local import free_port
+from service.store.db import make_engine
 from tests.external_ray import ExternalHead
 
 REPO = Path(__file__).resolve().parents[1]
@@ -405,7 +405,7 @@ class Chaos:
 
     def dead_leases(self) -> list[str]:
         """Leases whose owner (`<host>:<pid>`) is not a live dispatcher process of this run (an ended job holds none:
-        service.state clears the lease with the end state)."""
+        service.lifecycle.state clears the lease with the end state)."""
         live = {p.popen.pid for p in self.processes if p.name.startswith("dispatcher") and p.alive() and p.popen}
         engine = make_engine(self.pg_url)
         try:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from service.ray_local import LocalHead, ensure_local_head, stop_local_head
+from service.backends.ray_local import LocalHead, ensure_local_head, stop_local_head
 from workers.warmup import use_interpreter_bin_first
 
 # Property tests assert behaviour, never time: no per-example deadline (Hypothesis' 200 ms default is a wall-clock
@@ -214,8 +214,8 @@ def pg_schema_template() -> Iterator[str]:
     """A PostgreSQL database with shunter's schema, migrated once per test process: each `db` test gets a copy
     (`CREATE DATABASE ... TEMPLATE`), not a run of every migration (~0.5-1 s each on a loaded machine, ~240 tests).
     Here, not beside `db` (tests/service/conftest.py), so that every module that imports `db` finds it too."""
-    from service.db import make_engine
-    from service.migrate import upgrade
+    from service.store.db import make_engine
+    from service.store.migrate import upgrade
     from tests.service.conftest import fresh_pg_database
 
     with fresh_pg_database("shunter_template") as url:

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from service.ray_local import RAY_START, dashboard_answers, free_port, head_environment, head_processes
+from service.backends.ray_local import RAY_START, dashboard_answers, free_port, head_environment, head_processes
 from tests.conftest import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,10 +92,11 @@ class ExternalHead(_Node):
 
     def start(self, tries: int = 3) -> None:
         """Start the head and wait until `ray start` says it runs and the dashboard answers. A start that fails is
-        cleared away and made again at the same ports, `tries` times in all, as `service.ray_local.ensure_local_head`
-        does for shunter's own head: Ray 2.60's raylet gives its dashboard agent a fixed 15 s to write its ports and
-        aborts past it, which an agent importing on a loaded 2-core machine can miss (a slow-tier run saw the chaos
-        run's restarted head die so, and the run then waited out its whole timeout on a head that was not there)."""
+        cleared away and made again at the same ports, `tries` times in all, as
+        `service.backends.ray_local.ensure_local_head` does for shunter's own head: Ray 2.60's raylet gives its
+        dashboard agent a fixed 15 s to write its ports and aborts past it, which an agent importing on a loaded 2-core
+        machine can miss (a slow-tier run saw the chaos run's restarted head die so, and the run then waited out its
+        whole timeout on a head that was not there)."""
         for attempt in range(1, tries + 1):
             # A new head machine or pod has no record of the last cluster on its disk. (Here other nodes' processes
             # name this address on their command lines, which `ray start` would take for a head still running.)

@@ -17,12 +17,12 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from api.app import create_app
-from service import attempt_tokens
-from service.models import Attempt, Job
-from service.noop_backend import NoopJobs
-from service.ray_local import free_port
+from service.backends.noop import NoopJobs
+from service.backends.ray_local import free_port
+from service.config.settings import Settings
 from service.runtime import Runtime
-from service.settings import Settings
+from service.store.models import Attempt, Job
+from service.tenancy import attempt_tokens
 from workers.attempt_api import AttemptApi
 
 

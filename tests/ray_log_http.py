@@ -1,4 +1,5 @@
-"""Ray's HTTP surfaces for one driver log, for the quick tier (which has no Ray): what `service.driver_logs` reads.
+"""Ray's HTTP surfaces for one driver log, for the quick tier (which has no Ray): what `service.backends.driver_logs`
+reads.
 
 - the dashboard's record of a Ray Job, `GET /api/jobs/<submission id>`, naming the driver's agent as Ray does
   (`driver_agent_http_address`, `driver_node_id`);
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from service.ray_local import free_port
+from service.backends.ray_local import free_port
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.ray_local import free_port
+from service.backends.ray_local import free_port
 from tests.conftest import wait_for
 
 # moto accepts any credentials; fixed ones keep signatures deterministic and never touch a real account.

@@ -9,11 +9,9 @@ upload), and one without shunter's state file, which user code wrote and which h
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
-import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,12 +20,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from service.strategy import StrategyKind
+from service.spec.strategy import StrategyKind
 from workers import manifest
 from workers.context import ENV_ATTEMPT, STRATEGY_METRIC
 from workers.manifest import MANIFEST, STATE
 from workers.proof import prove_checkpoint, recorded_manifest
 from workers.ranks import barrier, world
+from workers.rng_state import rng_state, set_rng_state
 
 
 class Prepared(Protocol):
@@ -62,7 +61,6 @@ log = logging.getLogger(__name__)
 DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "shunter"
 DCP_DIR = "dcp"
 ENV_RESUME_FROM = "SHUNTER_RESUME_FROM"  # a checkpoint path/URI a new run starts from
-RNG_FORMAT = "shunter-rng-1"  # rng-rank<N>.json; older checkpoints have rng-rank<N>.pkl, which is never unpickled
 
 
 class IncompleteCheckpointError(RuntimeError):
@@ -80,50 +78,6 @@ def _gather(value: Any) -> list[Any]:
     out: list[Any] = [None] * size
     dist.all_gather_object(out, value)
     return out
-
-
-def _bytes_of(tensor: torch.Tensor) -> str:
-    return base64.b64encode(tensor.cpu().numpy().tobytes()).decode()
-
-
-def _tensor_of(text: str) -> torch.Tensor:
-    return torch.tensor(list(base64.b64decode(text)), dtype=torch.uint8)
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states as plain JSON (numbers, strings, lists): loading it back cannot run code."""
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "format": RNG_FORMAT,
-        "python": [version, list(internal), gauss],
-        "torch": _bytes_of(torch.get_rng_state()),
-    }
-    try:
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-        state["numpy"] = [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        state["cuda"] = [_bytes_of(t) for t in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what `rng_state` returned (also after a JSON round trip)."""
-    if state.get("format") != RNG_FORMAT:
-        raise ValueError(f"unknown RNG state format {state.get('format')!r}")
-    version, internal, gauss = state["python"]
-    random.setstate((int(version), tuple(int(v) for v in internal), gauss))
-    torch.set_rng_state(_tensor_of(state["torch"]))
-    if "numpy" in state:
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((str(name), np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached)))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_tensor_of(t) for t in state["cuda"]])
 
 
 def rng_file(rank: int) -> str:

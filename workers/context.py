@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 from workers.attempt_api import AttemptApi
 
 if TYPE_CHECKING:  # imported where used: the Train controller reads the constants below, never a spec
-    from service.spec import JobSpec, Resources
+    from service.spec.job import JobSpec, Resources
 
 ENV_JOB_ID = "SHUNTER_JOB_ID"
 ENV_ATTEMPT = "SHUNTER_ATTEMPT"
 ENV_STORAGE = "SHUNTER_JOB_STORAGE"
 ENV_PROGRESS_URL = "SHUNTER_PROGRESS_URL"  # the shunter API the job reports to
-ENV_ATTEMPT_TOKEN = "SHUNTER_ATTEMPT_TOKEN"  # good only for this attempt's rows (service.attempt_tokens)
+ENV_ATTEMPT_TOKEN = "SHUNTER_ATTEMPT_TOKEN"  # good only for this attempt's rows (service.tenancy.attempt_tokens)
 ENV_WORLD_SIZE = "SHUNTER_WORLD_SIZE"  # the workers admission gave this attempt
 # A reserved metric key: every report made through a `Prepared` (workers.strategies.prepare) names the strategy it
 # applied, so the Train callback can tell a loop that applied the spec's strategy from plain Ray Train code.
@@ -37,7 +37,7 @@ FINISHED_METRIC = "_shunter_finished"
 def job_spec() -> JobSpec:
     """The spec of the job this process belongs to, read once from the API (a default DDP spec outside shunter, for
     plain Ray Train use)."""
-    from service.spec import JobSpec
+    from service.spec.job import JobSpec
 
     api = attempt_api()
     if api is None:

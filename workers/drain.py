@@ -6,7 +6,7 @@ Ray 2.60's Train watches Ray Core's drain state for the nodes of a worker group 
 call it as often as the others: shunter calls it once in each `Prepared.report`, which every rank makes).
 
 On a notice, shunter's report path checkpoints at once on every rank and then stops the attempt cleanly
-(`NodeDraining`, caught by `workers.entrypoint.run_loop`, which returns `drained(...)` as the loop's value). The driver
+(`NodeDraining`, caught by `workers.train_loop.run_loop`, which returns `drained(...)` as the loop's value). The driver
 records the attempt's end as `node_draining`; the dispatcher retries it from that checkpoint at once, without counting
 it against `max_attempts`, on what the cluster has left without the draining node (an elastic job at the size that
 fits). Nothing is trained between the checkpoint and the stop, so no step is lost, and the worker group's room on the

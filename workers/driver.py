@@ -15,13 +15,13 @@ import time
 import traceback
 from typing import TYPE_CHECKING
 
-from service.enums import EndReason
-from service.strategy import StrategyKind
+from service.core.enums import EndReason
+from service.spec.strategy import StrategyKind
 from workers import context
 from workers.drain import drained_value
 
 if TYPE_CHECKING:
-    from service.spec import JobSpec
+    from service.spec.job import JobSpec
     from workers.attempt_api import AttemptApi
 
 log = logging.getLogger("shunter.driver")
@@ -131,11 +131,11 @@ def build_trainer(spec, *, job_id: str, attempt: int, storage: str, api: Attempt
     """The TorchTrainer for this attempt (imports torch and Ray Train: worker side only)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
-    from workers.entrypoint import train_loop_for
     from workers.lean_trainer import trainer_class
     from workers.progress import ProgressCallback
     from workers.storage import filesystem_for
     from workers.torch_config import torch_config
+    from workers.train_loop import train_loop_for
 
     res = spec.resources
     per_worker = res.per_worker()
@@ -174,7 +174,9 @@ def build_trainer(spec, *, job_id: str, attempt: int, storage: str, api: Attempt
     )
 
 
-EXCLUDED_NODES_ENV = "SHUNTER_EXCLUDED_NODES"  # service.submission sets it: the nodes admission kept this attempt off
+EXCLUDED_NODES_ENV = (
+    "SHUNTER_EXCLUDED_NODES"  # service.dispatch.submission sets it: the nodes admission kept this attempt off
+)
 
 
 def excluded_nodes_selector(nodes: str) -> dict[str, str] | None:
@@ -313,7 +315,7 @@ def run(spec: JobSpec, *, job_id: str, attempt: int, storage: str, api: AttemptA
                 reason = EndReason.NODE_LOST
                 message += f" Lost nodes: {', '.join(gone)}."
         info = getattr(exc, "preemption_info", None)
-        if info is not None:  # which nodes: the dispatcher checks the claim against Ray (service.nodes)
+        if info is not None:  # which nodes: the dispatcher checks the claim against Ray (service.dispatch.nodes)
             message += f" Draining nodes: {', '.join(info.preempted_node_ids)}."
         traceback.print_exc()
     if api is not None and reason is not EndReason.SUCCEEDED:

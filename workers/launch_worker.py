@@ -13,8 +13,8 @@ field a later Ray adds) is handed to Ray's own `setup_worker.py` with the same a
 `tests/workers/test_launch_worker.py` checks, case by case, that the command and environment built here are the ones
 Ray's `RuntimeEnvContext.exec_worker` builds, so a Ray upgrade that changes that step fails there first.
 
-`service.ray_start` (what `service.ray_local` runs in place of `ray start`) points a node's raylet here. A cluster
-started with Ray's own `ray start` is not affected.
+`service.backends.ray_start` (what `service.backends.ray_local` runs in place of `ray start`) points a node's raylet
+here. A cluster started with Ray's own `ray start` is not affected.
 """
 
 from __future__ import annotations

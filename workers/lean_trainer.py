@@ -13,7 +13,7 @@ use to an attempt run by shunter:
   controller dies (`fit()` raises). Being detached, the cleaner also outlives the run by up to 12 s while Ray stops its
   monitor thread, so every attempt's Ray Job ended that much later than its training. (Ray misses a group that a
   controller registers while the GCS is already destroying it, as when a run is stopped during a worker-group restart;
-  the dispatcher removes those: `service.ray_jobs.orphaned`.)
+  the dispatcher removes those: `service.backends.ray_jobs.orphaned`.)
 
 The `SynchronizationActor` (the workers' barriers and reports) stays. So does the watch for node drain notices, which
 `workers.drain` acts on, but as a thread of the controller (`workers.drain_watcher`), not the `PreemptionWatcher`

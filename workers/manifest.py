@@ -22,7 +22,7 @@ from typing import Any
 
 from pyarrow import fs as pafs
 
-from service.storage import uri_of
+from service.core.locations import uri_of
 
 MANIFEST = "shunter-manifest.json"
 STATE = "shunter-state.json"  # the state file every checkpoint shunter's helpers write carries (step, epoch, ...)

@@ -1,7 +1,7 @@
 """Preemption notices: the dispatcher drops a marker beside the job's checkpoints; shunter's report helper sees it,
 checkpoints at once on every rank and waits there (`hold`), and the dispatcher then stops the attempt and requeues the
 job, which resumes from that checkpoint with no step lost. (The same notice asks an elastic job to yield so that it
-can be admitted again larger: service/growth.py.)
+can be admitted again larger: service/policy/growth.py.)
 
 The check is agreed across ranks (an all-reduce of each rank's view) so that every rank takes the collective
 checkpoint at the same step, and it reads storage at most every CHECK_SECONDS.
@@ -13,7 +13,7 @@ import json
 import os
 import time
 
-from service.storage import preemption_marker
+from service.core.locations import preemption_marker
 from workers.context import ENV_STORAGE, attempt, job_id
 
 CHECK_SECONDS = 2.0

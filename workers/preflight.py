@@ -2,7 +2,7 @@
 
 A bad NIC, GPU or host usually shows as the first all-reduce hanging for the collective timeout (30 minutes by
 default), and then again on the retry, on the same node. This check finds it in seconds, before any training, and
-names the rank, node and address at fault so the retry can keep off it (`service.exclusion`):
+names the rank, node and address at fault so the retry can keep off it (`service.policy.exclusion`):
 
 1. facts: each rank publishes what it runs on (node, address, device, free memory, driver; CPU cores on CPU) in the
    process group's own key-value store, which needs no collective and so still works when one would hang;

@@ -80,7 +80,7 @@ class ProgressCallback(UserCallback):
             return
         if self.strategy and self._reports == 0:  # no report to check the strategy on (the driver's check, earlier)
             warn_strategy_not_applied(self.api, job_id=self.job_id, expected=self.strategy)
-        from service.enums import EndReason
+        from service.core.enums import EndReason
 
         try:
             self.api.end(EndReason.SUCCEEDED.value, SUCCEEDED_MESSAGE, patience=REPORT_PATIENCE_SECONDS)

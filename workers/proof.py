@@ -5,7 +5,8 @@ Every job can write the storage root, and every job's processes on a node can wr
 jobs' code into: a file there proves nothing by itself. What proves it is what the service recorded when the owner
 wrote it, handed to this attempt by the service, never read from that storage:
 
-- **Code.** `POST /v1/code` recorded what the archive unpacks to (`service.code_manifest`); the dispatcher puts its
+- **Code.** `POST /v1/code` recorded what the archive unpacks to (`service.tenancy.code_manifest`); the dispatcher puts
+its
   digest in the attempt's environment (`SHUNTER_CODE_DIGEST`, with the archive's URI in `SHUNTER_CODE_URI`).
   `verify_code` compares the working directory Ray unpacked with it, in the driver before anything of the job's is
   looked at and in every train worker before the job's code is imported. A changed, missing or extra code file
@@ -26,10 +27,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from service import code_manifest
+from service.tenancy import code_manifest
 
 log = logging.getLogger(__name__)
-ENV_CODE_DIGEST = "SHUNTER_CODE_DIGEST"  # service.submission sets it: the digest of the files the archive unpacks to
+ENV_CODE_DIGEST = (
+    "SHUNTER_CODE_DIGEST"  # service.dispatch.submission sets it: the digest of the files the archive unpacks to
+)
 ENV_CODE_URI = "SHUNTER_CODE_URI"  # the archive's URI, for the message
 RAY_WORKING_DIRS = "working_dir_files"  # the folder Ray unpacks working_dir archives into, one sub-folder each
 # An extra file with one of these endings, or anywhere under a `__pycache__`, is one Python could import or load from

@@ -247,7 +247,7 @@ def start_syncer(outputs_uri: str, roots: dict[str, Path], layout: RunLayout, *,
     import ray.train
 
     from workers import context
-    from workers.outputs import OutputSync
+    from workers.output_sync import OutputSync
 
     ctx = ray.train.get_context()
     leader = ctx.get_world_rank() == 0

@@ -1,6 +1,6 @@
 """Every rank's Python stack on demand, without ptrace: faulthandler on SIGUSR1.
 
-shunter's train workers (`workers.entrypoint.run_loop`) and script processes (`workers/script_site/sitecustomize.py`)
+shunter's train workers (`workers.train_loop.run_loop`) and script processes (`workers/script_site/sitecustomize.py`)
 register faulthandler for SIGUSR1 (`register`). It prints every thread's stack to the process's stderr from a C signal
 handler, so it answers even while the loop is stuck in a blocking call. A train worker's stderr is forwarded by Ray to
 the attempt's driver (`ray.init(log_to_driver=True)` in `workers.driver`), so the stacks land in the attempt's Ray Job
@@ -8,10 +8,10 @@ log, which the dispatcher keeps when the attempt ends; a script process's stderr
 (`workers.script`), the same way.
 
 `python -m workers.stacks --ray-job-id <hex> --job-id <shunter job id>` is the Ray Job the dispatcher submits for a
-stalled attempt (`service.ray_jobs.RayJobs.dump_stacks`; the control plane holds no Ray driver of its own). It lists
-the attempt's live `RayTrainWorker` actors and runs a task on each of their nodes that signals them, and each child of
-one that belongs to the same shunter job (a script process: `SHUNTER_JOB_ID` in its environment). SIGUSR1's default
-action ends a process, so a process is signalled only when the kernel shows it catching SIGUSR1 (`SigCgt` in
+stalled attempt (`service.backends.ray_jobs.RayJobs.dump_stacks`; the control plane holds no Ray driver of its own). It
+lists the attempt's live `RayTrainWorker` actors and runs a task on each of their nodes that signals them, and each
+child of one that belongs to the same shunter job (a script process: `SHUNTER_JOB_ID` in its environment). SIGUSR1's
+default action ends a process, so a process is signalled only when the kernel shows it catching SIGUSR1 (`SigCgt` in
 /proc/<pid>/status): one that never registered the handler is left alone, never killed. Its last output line (`SAID`)
 says what it did; the dispatcher puts it in the attempt's end message.
 """
@@ -25,7 +25,7 @@ import signal
 import sys
 from pathlib import Path
 
-from service.stall import DUMP_SAID as SAID  # the summary line's prefix, read back by the dispatcher
+from service.policy.stall import DUMP_SAID as SAID  # the summary line's prefix, read back by the dispatcher
 
 TASK_SECONDS = 60.0
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from service.storage import ENV_S3_ENDPOINT, filesystem_for, s3_filesystem, uri_of  # noqa: F401 - re-exported
+from service.core.locations import ENV_S3_ENDPOINT, filesystem_for, s3_filesystem, uri_of  # noqa: F401 - re-exported
 from workers import manifest
 
 if TYPE_CHECKING:

@@ -26,9 +26,9 @@ def use_interpreter_bin_first() -> None:
     build's command. Ninja 1.12 changed that hash, so a venv's ninja (PyPI's, 1.13) and Debian's (1.11) each find
     the other's builds stale: processes that found one and then the other rebuilt DeepSpeed's ops every time (five
     rebuilds of ~35 s in one slow-tier run here). Ray's processes find the venv's first
-    (`service.ray_local.head_environment`); the warm-up and the tests do the same.
+    (`service.backends.ray_local.head_environment`); the warm-up and the tests do the same.
     """
-    from service.ray_local import interpreter_bin_first
+    from service.backends.ray_local import interpreter_bin_first
 
     os.environ["PATH"] = interpreter_bin_first(os.environ.get("PATH", ""))
 

@@ -9,11 +9,11 @@ from fastapi import APIRouter, Path
 from api.deps import CallerDep, SessionDep, SettingsDep
 from api.routes.jobs import to_public
 from api.schemas import ERROR_RESPONSES, ClearedNode, ClusterJob, ClusterPublic, ExcludedNode, NodePublic
-from service import exclusion, jobs
-from service.db import begin_write
-from service.errors import Forbidden, NotFound
-from service.models import utcnow
-from service.spec import JobSpec
+from service.core.errors import Forbidden, NotFound
+from service.lifecycle import jobs, node_faults
+from service.spec.job import JobSpec
+from service.store.db import begin_write
+from service.store.models import utcnow
 
 router = APIRouter(prefix="/v1/cluster", tags=["cluster"], responses=ERROR_RESPONSES)
 
@@ -33,7 +33,7 @@ def cluster(session: SessionDep, caller: CallerDep, settings: SettingsDep) -> Cl
                 ray_dashboard_url=public.ray_dashboard_url,
             )
         )
-    everyone, _ = exclusion.excluded(session, [], settings.exclusion_rules())
+    everyone, _ = node_faults.excluded(session, [], settings.exclusion_rules())
     # Which jobs failed on a node: only the caller's own are named to a non-admin (another owner's job ids told
     # anyone what ran where: issue 35); `why` still counts them all.
     named = jobs.visible_ids(session, {j for e in everyone.values() for j in e.jobs}, caller=caller)
@@ -63,7 +63,7 @@ def clear_node(node_id: NodeId, session: SessionDep, caller: CallerDep) -> Clear
     if not caller.admin:
         raise Forbidden("only an admin may let an excluded node back in")
     begin_write(session)
-    cleared = exclusion.clear(session, node_id, actor=caller.owner)
+    cleared = node_faults.clear(session, node_id, actor=caller.owner)
     if not cleared:
         session.rollback()
         raise NotFound(f"node {node_id} has no failures recorded against it")

@@ -1,5 +1,5 @@
 """/v1/code: upload a zip of code once, get a URI for `runtime_env.working_dir` (what `ray job submit --working-dir`
-does through the GCS, here kept in the service's storage under the caller; see `service.code_store`)."""
+does through the GCS, here kept in the service's storage under the caller; see `service.tenancy.code_store`)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import CallerDep, RuntimeDep, SettingsDep
 from api.schemas import ERROR_RESPONSES
-from service import code_archives, code_manifest, code_proof, code_store
-from service.errors import InvalidSpec
-from service.settings import Settings
+from service.config.settings import Settings
+from service.core.errors import InvalidSpec
+from service.tenancy import code_archives, code_manifest, code_proof, code_store
 
 router = APIRouter(prefix="/v1/code", tags=["code"], responses=ERROR_RESPONSES)
 _BINARY = {"schema": {"type": "string", "format": "binary"}}

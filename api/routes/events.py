@@ -9,7 +9,7 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from api.deps import CallerDep, RuntimeDep, SessionDep
 from api.schemas import ERROR_RESPONSES, EventPublic
 from api.sse import SSE_RESPONSE, event_stream
-from service import jobs
+from service.lifecycle import jobs
 
 router = APIRouter(prefix="/v1/events", tags=["events"], responses=ERROR_RESPONSES)
 

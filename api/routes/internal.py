@@ -1,10 +1,10 @@
 """/internal/v1/attempts: what a running job sends back (progress, warnings, how it ended) and reads (its spec).
 
 The caller is the job itself (its driver, Train controller and train workers), authenticated by the attempt token the
-dispatcher gave it (`service.attempt_tokens`), never by a user API token: it may touch only the rows of the job and
-attempt its token names (403 for any other path), and `service.progress` lands a write only while the job is still
-on that attempt and active. Bodies are small and bounded (413 beyond `MAX_BODY_BYTES`); metric values are finite
-numbers.
+dispatcher gave it (`service.tenancy.attempt_tokens`), never by a user API token: it may touch only the rows of the job
+and attempt its token names (403 for any other path), and `service.lifecycle.reports` lands a write only while the job
+is still on that attempt and active. Bodies are small and bounded (413 beyond `MAX_BODY_BYTES`); metric values are
+finite numbers.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ from sqlmodel import Session
 from api.deps import RuntimeDep, SettingsDep
 from api.limits import AttemptRates, retry_after
 from api.schemas import ATTEMPT_LIMIT_RESPONSES, ERROR_RESPONSES
-from service import attempt_tokens, code_proof, preflight, progress, submission
-from service.errors import Conflict, Forbidden, NotFound, ShunterError, Unauthorized
-from service.models import ACTIVE_STATES, EndReason, Job, JobState
-from service.numbers import INT32_MAX
+from service.core.errors import Conflict, Forbidden, NotFound, ShunterError, Unauthorized
+from service.core.numbers import INT32_MAX
+from service.dispatch import submission
+from service.lifecycle import preflight_results, reports
+from service.store.models import ACTIVE_STATES, EndReason, Job, JobState
+from service.tenancy import attempt_tokens, code_proof
 
 MAX_BODY_BYTES = 64 * 1024  # enforced while the body is read, by api.limits.BodyLimit (see api/app.py)
 MAX_METRICS = 256
@@ -33,8 +35,8 @@ MAX_STEP = INT32_MAX  # jobs.step and metrics.step are 32-bit integers on Postgr
 # may: its train function returned, which is all a Ray Job's SUCCEEDED says too (an exit code the same code chooses);
 # the dispatcher ends the attempt on it without waiting for Ray's teardown, and stops a Ray Job that lingers past
 # `linger_seconds` after its driver's last word. `node_draining` and `node_lost` it may claim: they cost nothing only
-# when Ray bears them out (service.nodes), and only up to the job's free retries (service.retry). `storage_tampered`
-# (workers.proof) it may: that end is never retried, so a claim of it costs the claiming job alone.
+# when Ray bears them out (service.dispatch.nodes), and only up to the job's free retries (service.policy.retry).
+# `storage_tampered` (workers.proof) it may: that end is never retried, so a claim of it costs the claiming job alone.
 DRIVER_END_REASONS = frozenset(EndReason) - {EndReason.PREEMPTED, EndReason.TIMEOUT, EndReason.CLUSTER_RESTARTED}
 
 
@@ -46,7 +48,7 @@ _TOLD: set[tuple[str, int]] = set()  # attempts whose timeline was told of their
 
 class AttemptRateLimited(ShunterError):
     status_code = 429
-    code = progress.RATE_LIMIT_REASON
+    code = reports.RATE_LIMIT_REASON
 
     def __init__(self, detail: str, *, wait: float) -> None:
         super().__init__(detail)
@@ -69,7 +71,7 @@ def _within_rate(rt: Any, settings: Any, job_id: str, attempt: int, rows: int) -
         if len(_TOLD) > 10_000:
             _TOLD.clear()
         _TOLD.add((job_id, attempt))
-        progress.record_limited(rt.engine, job_id=job_id, attempt=attempt, reason=progress.RATE_LIMIT_REASON,
+        reports.record_limited(rt.engine, job_id=job_id, attempt=attempt, reason=reports.RATE_LIMIT_REASON,
                                 message=message)  # fmt: skip
     raise AttemptRateLimited(message, wait=wait)
 
@@ -166,9 +168,9 @@ def report(scope: Scope, body: ReportBody, rt: RuntimeDep, settings: SettingsDep
     """One `ray.train.report` of rank 0 (and its checkpoint); `recorded: false` once the attempt is not current. 429
     beyond the attempt's rate or total of rows (`attempt_rows_per_second`, `attempt_max_rows`)."""
     job_id, attempt = scope
-    rows = progress.report_rows(dict(body.metrics), body.checkpoint_uri, progress=body.progress)
+    rows = reports.report_rows(dict(body.metrics), body.checkpoint_uri, progress=body.progress)
     _within_rate(rt, settings, job_id, attempt, rows)
-    recorded = progress.record_report(
+    recorded = reports.record_report(
         rt.engine, job_id=job_id, attempt=attempt, metrics=dict(body.metrics), checkpoint_uri=body.checkpoint_uri,
         checkpoint_complete=body.checkpoint_complete, keep=body.keep, report_index=body.step, progress=body.progress,
         max_rows=settings.attempt_max_rows, manifest_sha256=body.manifest_sha256,
@@ -185,7 +187,7 @@ def started(scope: Scope, body: StartedBody, rt: RuntimeDep) -> Recorded:
     """Every rank's train loop (script mode: script process) of this attempt has started; the dispatcher then marks
     the job RUNNING. `recorded: false` when not current, or when a report came first."""
     job_id, attempt = scope
-    return Recorded(recorded=progress.record_started(rt.engine, job_id=job_id, attempt=attempt))
+    return Recorded(recorded=reports.record_started(rt.engine, job_id=job_id, attempt=attempt))
 
 
 @router.post("/{job_id}/{attempt}/restored", response_model=Recorded)
@@ -193,7 +195,7 @@ def restored(scope: Scope, body: RestoredBody, rt: RuntimeDep) -> Recorded:
     """The checkpoint this attempt's train loop resumed from (Ray Train's latest of the run), before its first step;
     listed if its own report never arrived. `recorded: false` when not current, or already recorded."""
     job_id, attempt = scope
-    recorded = progress.record_restore(
+    recorded = reports.record_restore(
         rt.engine, job_id=job_id, attempt=attempt, checkpoint_uri=body.checkpoint_uri, step=body.step,
         complete=body.complete, written_by=body.written_by_attempt,
     )  # fmt: skip
@@ -204,14 +206,14 @@ def restored(scope: Scope, body: RestoredBody, rt: RuntimeDep) -> Recorded:
 def end(scope: Scope, body: EndBody, rt: RuntimeDep) -> Recorded:
     """The driver's account of why its attempt ended (once per attempt)."""
     job_id, attempt = scope
-    recorded = progress.record_attempt_end(
+    recorded = reports.record_attempt_end(
         rt.engine, job_id=job_id, attempt=attempt, reason=body.reason, message=body.message
     )
     return Recorded(recorded=recorded)
 
 
 class PreflightBody(_Body):
-    report: preflight.PreflightReport
+    report: preflight_results.PreflightReport
 
 
 @router.post("/{job_id}/{attempt}/preflight", response_model=Recorded)
@@ -219,7 +221,7 @@ def preflight_result(scope: Scope, body: PreflightBody, rt: RuntimeDep) -> Recor
     """The worker group's pre-flight check (once per attempt: the first result sent is kept)."""
     job_id, attempt = scope
     with Session(rt.engine) as session:
-        return Recorded(recorded=preflight.record(session, job_id=job_id, attempt=attempt, report=body.report))
+        return Recorded(recorded=preflight_results.record(session, job_id=job_id, attempt=attempt, report=body.report))
 
 
 @router.post("/{job_id}/{attempt}/warning", response_model=Recorded, responses=ATTEMPT_LIMIT_RESPONSES)
@@ -228,7 +230,7 @@ def warning(scope: Scope, body: WarningBody, rt: RuntimeDep, settings: SettingsD
     reports' rows)."""
     job_id, attempt = scope
     _within_rate(rt, settings, job_id, attempt, 1)
-    recorded = progress.record_warning(rt.engine, job_id=job_id, attempt=attempt, code=body.code, message=body.message,
+    recorded = reports.record_warning(rt.engine, job_id=job_id, attempt=attempt, code=body.code, message=body.message,
                                        max_rows=settings.attempt_max_rows)  # fmt: skip
     return Recorded(recorded=recorded)
 
@@ -237,7 +239,7 @@ def warning(scope: Scope, body: WarningBody, rt: RuntimeDep, settings: SettingsD
 def reported(scope: Scope, rt: RuntimeDep) -> Reported:
     """Whether any report of this attempt was recorded."""
     job_id, attempt = scope
-    return Reported(reported=progress.attempt_reported(rt.engine, job_id=job_id, attempt=attempt))
+    return Reported(reported=reports.attempt_reported(rt.engine, job_id=job_id, attempt=attempt))
 
 
 class CheckpointRecord(BaseModel):
@@ -253,14 +255,14 @@ def checkpoint_record(
     """What the service recorded of the job's checkpoint `uri`: a resume proves the checkpoint by it before loading
     it (workers.proof), never by what the storage every job can write says."""
     job_id, _ = scope
-    known, sealed = progress.checkpoint_manifest(rt.engine, job_id=job_id, uri=uri)
+    known, sealed = reports.checkpoint_manifest(rt.engine, job_id=job_id, uri=uri)
     return CheckpointRecord(uri=uri, known=known, manifest_sha256=sealed)
 
 
 class CodeListing(BaseModel):
     uri: str
     sha256: str = Field(description="of the archive")
-    digest: str = Field(description="of `files` (service.code_manifest.digest): SHUNTER_CODE_DIGEST")
+    digest: str = Field(description="of `files` (service.tenancy.code_manifest.digest): SHUNTER_CODE_DIGEST")
     files: dict[str, str] = Field(description="every file the archive unpacks to: its sha256")
 
 

@@ -40,11 +40,11 @@ from api.schemas import (
 )
 from api.sse import pause
 from api.streams import DB_UNAVAILABLE, is_database_outage, open_stream, slots_of, state_of
-from service import jobs
-from service.errors import InfraError, NotFound
-from service.host_files import HostFiles
-from service.models import Attempt, Job, JobState
+from service.core.errors import InfraError, NotFound
+from service.dispatch.host_files import HostFiles
+from service.lifecycle import jobs
 from service.runtime import Runtime
+from service.store.models import Attempt, Job, JobState
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
@@ -220,8 +220,8 @@ async def _follow(
             continue
         if number is None:
             number = row.number
-        # An attempt ended on its driver's word has its log kept once its Ray Job has exited (service.late_logs):
-        # until then its last lines are still to come from Ray.
+        # An attempt ended on its driver's word has its log kept once its Ray Job has exited
+        # (service.dispatch.late_logs): until then its last lines are still to come from Ray.
         ended = row.ended_at is not None and not (row.driver_ended_at is not None and row.ray_status is None)
         # Once the attempt has ended its stored copy is final: read on from where we are (or Ray, if it was not kept).
         path = files.log_path(job_id, number)

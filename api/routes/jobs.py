@@ -1,4 +1,4 @@
-"""/v1/jobs: parse, authorise, call `service.jobs`. No rows are built and no Ray is called here."""
+"""/v1/jobs: parse, authorise, call `service.lifecycle.jobs`. No rows are built and no Ray is called here."""
 
 from __future__ import annotations
 
@@ -25,11 +25,13 @@ from api.schemas import (
     Position,
 )
 from api.sse import SSE_RESPONSE, event_stream
-from service import dependencies, estimate, jobs
-from service.backend import submission_id
-from service.errors import InvalidSpec
-from service.models import ClusterSnapshot, Job, JobState
-from service.spec import JobSpec
+from service import estimate
+from service.core.backend import submission_id
+from service.core.errors import InvalidSpec
+from service.lifecycle import jobs
+from service.spec.job import JobSpec
+from service.store.models import ClusterSnapshot, Job, JobState
+from service.workflows import dependencies
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)

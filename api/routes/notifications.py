@@ -1,4 +1,5 @@
-"""GET /v1/jobs/{id}/notifications: how the job's webhook deliveries stand (service.notify, service.webhooks)."""
+"""GET /v1/jobs/{id}/notifications: how the job's webhook deliveries stand (service.workflows.notifications,
+service.workflows.webhooks)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from pydantic import BaseModel, Field
 from api.deps import CallerDep, SessionDep
 from api.routes.jobs import JobId
 from api.schemas import ERROR_RESPONSES
-from service import jobs, notify
-from service.notify_models import Notification
+from service.lifecycle import jobs
+from service.store.notify_tables import Notification
+from service.workflows import notifications as notify
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
 

@@ -9,11 +9,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from api.deps import CallerDep, SessionDep, SettingsDep
 from api.schemas import ERROR_RESPONSES
-from service import queues, signals
-from service.auth import Caller
-from service.errors import Forbidden
-from service.numbers import NoBoolNumbers
-from service.quotas import QueueLimit, Quota
+from service.core.errors import Forbidden
+from service.core.numbers import NoBoolNumbers
+from service.lifecycle import queues
+from service.policy.quotas import QueueLimit, Quota
+from service.store import signals
+from service.tenancy.auth import Caller
 
 
 class QuotaBody(NoBoolNumbers):

@@ -1,4 +1,4 @@
-"""/v1/sweeps: parse, authorise, call `service.sweeps`. Members are jobs: /v1/jobs/{id} shows each."""
+"""/v1/sweeps: parse, authorise, call `service.lifecycle.sweeps`. Members are jobs: /v1/jobs/{id} shows each."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from api import cursors
 from api.deps import CallerDep, SessionDep, SettingsDep
 from api.schemas import ERROR_RESPONSES, SPEC_BUDGET_RESPONSES
 from api.sweep_schemas import SweepCancelled, SweepList, SweepMember, SweepPublic, SweepSummary
-from service import sweeps
-from service.models import EndReason, JobState, Sweep
-from service.sweep_spec import SweepMetric, SweepRequest
+from service.lifecycle import sweeps
+from service.spec.sweep import SweepMetric, SweepRequest
+from service.store.models import EndReason, JobState, Sweep
 
 router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"], responses=ERROR_RESPONSES)
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=255)]

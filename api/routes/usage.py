@@ -1,4 +1,5 @@
-"""/v1/usage: CPU- and GPU-hours, ended jobs and queue waits over a time window (`service.usage` does the counting).
+"""/v1/usage: CPU- and GPU-hours, ended jobs and queue waits over a time window (`service.tenancy.usage` does the
+counting).
 
 The window is `[since, until)`, ISO-8601 times; a time without a zone is UTC. Without tokens everyone is an admin;
 with them a non-admin sees only their own usage.
@@ -15,9 +16,9 @@ from pydantic import BeforeValidator
 
 from api.deps import CallerDep, SessionDep
 from api.schemas import ERROR_RESPONSES, UsagePublic
-from service import usage
-from service.errors import InvalidSpec
-from service.models import utcnow
+from service.core.errors import InvalidSpec
+from service.store.models import utcnow
+from service.tenancy import usage
 
 DEFAULT_WINDOW = timedelta(days=7)
 ISO_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")

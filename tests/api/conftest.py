@@ -11,8 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from service.config.settings import Settings
 from service.runtime import Runtime
-from service.settings import Settings
 from tests.service.conftest import db, service  # noqa: F401 - re-exported fixtures
 
 TOKENS = {

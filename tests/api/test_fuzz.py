@@ -33,7 +33,7 @@ from schemathesis.checks import (
 
 from api.app import create_app
 from api.client import Client
-from service.ray_local import free_port
+from service.backends.ray_local import free_port
 from service.runtime import Runtime
 from tests.api.conftest import GOOD, TOKENS, offline_settings
 from tests.conftest import wait_for
@@ -151,7 +151,7 @@ def test_entrypoint_schema_says_what_the_model_accepts(entrypoint: dict) -> None
     import jsonschema_rs
     from pydantic import ValidationError
 
-    from service.spec import Entrypoint
+    from service.spec.job import Entrypoint
 
     openapi = create_app().openapi()
     schema = {**openapi["components"]["schemas"]["Entrypoint"], "components": openapi["components"]}

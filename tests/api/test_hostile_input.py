@@ -25,7 +25,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from service.ray_local import free_port
+from service.backends.ray_local import free_port
 from service.runtime import Runtime
 from tests.api.conftest import GOOD, offline_settings
 

@@ -9,9 +9,9 @@ from sqlalchemy import event, text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from service import jobs
-from service.auth import Caller
-from service.spec import JobSpec
+from service.lifecycle import jobs
+from service.spec.job import JobSpec
+from service.tenancy.auth import Caller
 from tests.api.conftest import GOOD, TOKENS
 
 
@@ -87,8 +87,8 @@ def _plans(engine: Engine, caller: Caller, **kwargs: object) -> str:
 def test_indexes_serve_the_listing_order(tmp_path: object) -> None:
     from datetime import datetime, timezone
 
-    from service.db import make_engine
-    from service.migrate import upgrade
+    from service.store.db import make_engine
+    from service.store.migrate import upgrade
 
     engine = make_engine(f"sqlite:///{tmp_path}/plan.db")  # type: ignore[str-bytes-safe]
     upgrade(engine)  # the schema production has

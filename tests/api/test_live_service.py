@@ -20,10 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from api.app import create_app
 from api.client import ApiError, Client
 from api.schemas import EventPublic
-from service.ray_jobs import RayJobs
-from service.ray_local import LocalHead, free_port
+from service.backends.ray_jobs import RayJobs
+from service.backends.ray_local import LocalHead, free_port
+from service.config.settings import Settings
 from service.runtime import Runtime
-from service.settings import Settings
 from tests.api.conftest import TOKENS
 from tests.conftest import wait_for
 from tests.service.conftest import Service, service_env, stop_leftover_ray_jobs
@@ -90,7 +90,7 @@ def test_job_seen_through_every_view(secured: Service, ray_head: LocalHead) -> N
     for t in threads:
         t.start()
     # Neither the attempt's driver nor Ray Train's controller imports torch (workers.torch_config, and the job's loop
-    # imported on the workers only: workers.entrypoint.UserCallable); its workers do, and the check sees it there.
+    # imported on the workers only: workers.train_loop.UserCallable); its workers do, and the check sees it there.
     # Looked at once the ranks run (the controller has set up their process group), while the processes live.
     running = lambda: alice.get(job.id).state != "STARTING"  # noqa: E731
     wait_for(lambda: running() and maps_torch(job.id, "RayTrainWorker"), timeout=180, what="a worker with torch")

@@ -6,7 +6,7 @@ from datetime import datetime
 
 from sqlmodel import Session
 
-from service.models import ClusterSnapshot, utcnow
+from service.store.models import ClusterSnapshot, utcnow
 from tests.api.conftest import TOKENS
 
 CPU = "CPU"

@@ -19,13 +19,13 @@ import pytest
 from sqlmodel import Session, select
 
 from api.logs import RayLogReader, RayLogs, byte_range
-from service.db import make_engine
-from service.errors import InfraError
-from service.host_files import HostFiles
-from service.late_logs import LateLogs
-from service.migrate import upgrade
-from service.models import Attempt, EndReason, Job, JobState, utcnow
-from service.ray_jobs import RayJobs
+from service.backends.ray_jobs import RayJobs
+from service.core.errors import InfraError
+from service.dispatch.host_files import HostFiles
+from service.dispatch.late_logs import LateLogs
+from service.store.db import make_engine
+from service.store.migrate import upgrade
+from service.store.models import Attempt, EndReason, Job, JobState, utcnow
 from tests.live_api import add_attempt, live_api
 from tests.ray_log_http import RayLogHttp, ray_log_http
 
@@ -114,7 +114,7 @@ def test_a_growing_log_is_seen_grow_one_block_kept(ray_http: RayLogHttp) -> None
 def test_a_ray_that_does_not_answer_is_told_apart_from_one_that_has_no_such_job(tmp_path: Path) -> None:
     """None is Ray's word that it has no such submission (an attempt not submitted yet: its log is empty); Ray away
     raises, and that answer is kept for `max_age` as a view is: requests meanwhile do not ask a Ray that is away."""
-    from service.ray_local import free_port
+    from service.backends.ray_local import free_port
 
     closed = RayJobs(f"http://127.0.0.1:{free_port()}")
     cache = RayLogs()

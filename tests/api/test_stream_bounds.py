@@ -29,16 +29,16 @@ from sqlmodel import Session
 
 from api.app import create_app
 from api.client import Client
-from service.backend import submission_id
-from service.db import make_engine
-from service.host_files import HostFiles
-from service.migrate import upgrade
-from service.models import Attempt, Job, JobState, utcnow
-from service.noop_backend import NoopJobs
-from service.ray_local import free_port
+from service.backends.noop import NoopJobs
+from service.backends.ray_local import free_port
+from service.config.settings import Settings
+from service.core.backend import submission_id
+from service.dispatch.host_files import HostFiles
+from service.lifecycle.state import transition
 from service.runtime import Runtime
-from service.settings import Settings
-from service.state import transition
+from service.store.db import make_engine
+from service.store.migrate import upgrade
+from service.store.models import Attempt, Job, JobState, utcnow
 from tests.api.conftest import GOOD, TOKENS, offline_settings
 from tests.conftest import wait_for
 from tests.service.conftest import PG_ADMIN_URL, fresh_pg_database

@@ -9,8 +9,8 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlmodel import Session
 
-from service.models import ClusterSnapshot, Job, JobState
-from service.state import transition
+from service.lifecycle.state import transition
+from service.store.models import ClusterSnapshot, Job, JobState
 from tests.api.conftest import GOOD, TOKENS
 
 

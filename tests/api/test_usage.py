@@ -19,13 +19,14 @@ from sqlmodel import Session, select
 from typer.testing import CliRunner
 
 from api.cli import app as cli
-from service import jobs, usage
-from service.auth import Caller
-from service.errors import InvalidSpec
-from service.metrics import DatabaseCollector
-from service.models import Attempt, EndReason, Job, JobEvent, JobState, utcnow
-from service.spec import JobSpec
-from service.state import transition
+from service.collectors import DatabaseCollector
+from service.core.errors import InvalidSpec
+from service.lifecycle import jobs
+from service.lifecycle.state import transition
+from service.spec.job import JobSpec
+from service.store.models import Attempt, EndReason, Job, JobEvent, JobState, utcnow
+from service.tenancy import usage
+from service.tenancy.auth import Caller
 from tests.api.conftest import GOOD
 from tests.live_api import live_api
 

@@ -25,9 +25,16 @@ import pytest
 from sqlalchemy import text
 
 from api.client import Client
-from service.db import make_engine
-from service.ray_jobs import RayJobs
-from service.ray_local import RAY_START, LocalHead, ensure_local_head, free_port, head_environment, stop_local_head
+from service.backends.ray_jobs import RayJobs
+from service.backends.ray_local import (
+    RAY_START,
+    LocalHead,
+    ensure_local_head,
+    free_port,
+    head_environment,
+    stop_local_head,
+)
+from service.store.db import make_engine
 from tests.conftest import wait_for
 from tests.service.conftest import fresh_pg_database, train_worker_nodes
 from tests.service.test_e2e_serve import mlp_spec

@@ -1,5 +1,5 @@
-"""`ensure_local_head`, on real `ray start` processes (through `service.ray_start`): a head that never becomes ready
-is stopped, whole, and started again on fresh ports before the error reaches the caller; one that comes up is
+"""`ensure_local_head`, on real `ray start` processes (through `service.backends.ray_start`): a head that never becomes
+ready is stopped, whole, and started again on fresh ports before the error reaches the caller; one that comes up is
 re-attached to, not started twice."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from service import ray_local
-from service.errors import InfraError
-from service.ray_local import _temp_dir_for, ensure_local_head, head_processes, stop_local_head
-from service.ray_start import LAUNCHER
+from service.backends import ray_local
+from service.backends.ray_local import _temp_dir_for, ensure_local_head, head_processes, stop_local_head
+from service.backends.ray_start import LAUNCHER
+from service.core.errors import InfraError
 from tests.conftest import wait_for
 
 
@@ -51,8 +51,8 @@ def test_a_ready_head_is_reattached_not_started_again(tmp_path: Path) -> None:
         wait_for(agent, what="the raylet's dashboard agent")
         everything = head_processes(head.temp_dir)
         assert any("ray.util.client.server" in " ".join(_cmdline(pid)) for pid in everything)
-        # Its workers start through shunter's launcher (service.ray_start), and a task's runtime env still reaches
-        # the task: a real Ray worker, started by the raylet, ran it.
+        # Its workers start through shunter's launcher (service.backends.ray_start), and a task's runtime env still
+        # reaches the task: a real Ray worker, started by the raylet, ran it.
         raylet = next(pid for pid, name in core.items() if name == "raylet")
         assert LAUNCHER in " ".join(_cmdline(raylet))
         task = (
@@ -101,7 +101,7 @@ def test_ports_a_head_is_told_to_take_lie_outside_the_range_the_kernel_hands_out
     worker ports, a port free on every address."""
     import socket
 
-    from service import ray_local
+    from service.backends import ray_local
 
     low = ray_local._ephemeral_low()
     picks = [ray_local.free_port() for _ in range(200)]

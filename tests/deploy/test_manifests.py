@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from service.settings import Settings
+from service.config.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 SHUNTER_COMMANDS = {"api", "dispatcher"}
@@ -85,7 +85,7 @@ def test_compose_environment_names_real_settings() -> None:
         assert env["SHUNTER_RAY_DASHBOARD_URL"] == "http://ray-head:8265"
         assert env["SHUNTER_STORAGE_URI"] == "/shared/checkpoints"
         unknown = {k for k in env if k.startswith("SHUNTER_")} - known
-        assert not unknown, f"{name}: settings that service/settings.py does not read: {unknown}"
+        assert not unknown, f"{name}: settings that service/config/settings.py does not read: {unknown}"
     for name in ("ray-head", "ray-worker"):
         assert _env(services[name])["RAY_JOB_STOP_SIGNAL"] == "SIGINT"
 

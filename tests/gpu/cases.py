@@ -116,7 +116,7 @@ def run_strategy_case(name: str, phase: str, run_dir: Path, strategy_dict: dict[
     import torch
     from torch.utils.data import DataLoader
 
-    from service.strategy import StrategySpec
+    from service.spec.strategy import StrategySpec
     from workers import session
     from workers.strategies import prepare
 

@@ -13,10 +13,10 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from service import attempt_tokens
-from service.models import Checkpoint, EndReason, Job, JobState, Metric
-from service.retry import decide
-from service.spec import JobSpec
+from service.policy.retry import decide
+from service.spec.job import JobSpec
+from service.store.models import Checkpoint, EndReason, Job, JobState, Metric
+from service.tenancy import attempt_tokens
 from tests.live_api import LiveApi, add_attempt, live_api
 from tests.service.conftest import db  # noqa: F401 - the fixture
 
@@ -122,7 +122,7 @@ def test_9_the_cli_shows_a_jobs_text_as_text(api: LiveApi) -> None:
     from typer.testing import CliRunner
 
     from api.cli import app
-    from service.models import Job as JobRow
+    from service.store.models import Job as JobRow
 
     job = running_job(api.engine)
     token = {"Authorization": f"Bearer {api.token(job, 1)}"}
@@ -150,7 +150,7 @@ def test_9_the_cli_shows_a_jobs_text_as_text(api: LiveApi) -> None:
 
 
 def test_9_a_slack_body_escapes_what_a_job_wrote() -> None:
-    from service.webhook_rules import slack_document
+    from service.policy.webhook_rules import slack_document
 
     doc = {"job": {"name": "x <!channel>", "id": "j1", "state_reason": "<https://evil.example|docs> & more"},
            "to_state": "FAILED", "reason": "user_error"}  # fmt: skip
@@ -178,7 +178,7 @@ def test_8_another_owners_job_in_depends_on_is_answered_as_no_job(db: Engine, tm
 
 def test_8_a_node_kept_out_names_only_the_callers_own_jobs(db: Engine, tmp_path: Path) -> None:  # noqa: F811
     """`/v1/cluster` `excluded_nodes[].jobs` listed other owners' job ids."""
-    from service.models import NodeFault
+    from service.store.models import NodeFault
 
     tokens = {ALICE: {"owner": "alice"}, "bob-token": {"owner": "bob"}, "ops-token": {"owner": "ops", "admin": True}}
     owners = {"alice": [], "bob": []}
@@ -207,11 +207,11 @@ def test_8_a_node_kept_out_names_only_the_callers_own_jobs(db: Engine, tmp_path:
 def test_8_a_preempted_job_is_told_another_owners_job_id_never(db: Engine, tmp_path: Path, same_owner: bool) -> None:  # noqa: F811
     """A preemption event named the job it yielded to, another owner's included. Its own owner's job it still names.
     A real dispatcher on the noop backend (a 2-CPU cluster that each running job fills)."""
-    from service.auth import Caller
-    from service.dispatcher import Dispatcher
-    from service.jobs import submit
-    from service.models import JobEvent
-    from service.settings import Settings
+    from service.config.settings import Settings
+    from service.dispatch.dispatcher import Dispatcher
+    from service.lifecycle.jobs import submit
+    from service.store.models import JobEvent
+    from service.tenancy.auth import Caller
     from tests.service.test_poison import Backend, ended, run_until
 
     backend = Backend(tmp_path / "noop", cpus=2, run_seconds=1.0)
@@ -265,7 +265,7 @@ def test_8_metrics_labelled_by_owner_are_the_callers_own_unless_admin(db: Engine
 def test_8_a_refused_webhook_does_not_say_what_an_internal_name_resolves_to() -> None:
     """A notification's error said `vm resolves to 127.0.0.1 ...`: any owner could map internal names to addresses
     by naming them in a webhook. The owner reads that it was refused; the address goes to the operator's log."""
-    from service.webhooks import Refused, pinned_address
+    from service.workflows.webhooks import Refused, pinned_address
 
     with pytest.raises(Refused) as refused:
         pinned_address("localhost", 80, allow_private=False)
@@ -338,7 +338,7 @@ def test_2_log_reads_that_wait_hold_no_connection_and_are_capped_per_caller(
     from sqlalchemy import update
 
     import api.routes.job_logs as job_routes
-    from service.models import Attempt, utcnow
+    from service.store.models import Attempt, utcnow
 
     monkeypatch.setattr(job_routes, "LATE_LOG_WAIT_SECONDS", 6.0)
     tokens = {ALICE: {"owner": "alice"}, "mallory-token": {"owner": "mallory"}}
@@ -399,7 +399,7 @@ def test_4_events_checkpoints_and_metrics_come_in_pages_that_the_client_follows(
     Now a page holds at most `limit` rows (a default when not asked), oldest first, and a full page names where the
     next starts in `X-Next-After`; the client (so the CLI) and the web page follow the pages to the end."""
     from api.client import Client
-    from service.models import JobEvent
+    from service.store.models import JobEvent
 
     job = running_job(api.engine)
     with Session(api.engine) as session:
@@ -443,7 +443,7 @@ def _report(api: LiveApi, job: str, body: dict) -> httpx.Response:
 
 
 def _told(api: LiveApi, job: str, reason: str) -> int:
-    from service.models import JobEvent
+    from service.store.models import JobEvent
 
     with Session(api.engine) as session:
         return len(session.exec(select(JobEvent).where(JobEvent.job_id == job, JobEvent.reason == reason)).all())
@@ -526,7 +526,7 @@ def test_4_the_rate_and_the_total_count_the_rows_a_report_writes(
 ) -> None:
     """The per-attempt rate (API) and the total (database) count one report alike: a row per stored number but
     `step`, two for a checkpoint (the rate counted every metric name given, `step` and text included)."""
-    from service.progress import report_rows
+    from service.lifecycle.reports import report_rows
 
     assert report_rows(metrics, checkpoint, progress=progress) == rows
 
@@ -534,7 +534,7 @@ def test_4_the_rate_and_the_total_count_the_rows_a_report_writes(
 def test_3_parsed_specs_are_kept_within_a_byte_bound() -> None:
     """The dispatcher's and the estimate's parsed specs were bounded by count alone (50,000 entries, of any size).
     Now by the bytes of the specs they hold: least recently used first out, and one larger than the bound not kept."""
-    from service.spec_cache import SpecCache
+    from service.store.spec_cache import SpecCache
 
     cache: SpecCache[str | None] = SpecCache(max_bytes=1000)
     for k in range(5):
@@ -549,7 +549,7 @@ def test_3_parsed_specs_are_kept_within_a_byte_bound() -> None:
 
 def test_3_the_estimates_parsed_specs_stay_within_their_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     from service import estimate
-    from service.spec_cache import SpecCache, stored_size
+    from service.store.spec_cache import SpecCache, stored_size
 
     monkeypatch.setattr(estimate, "_specs", SpecCache(max_bytes=64 << 10))
     big = {**SPEC, "config": {"blob": "x" * (20 << 10)}}
@@ -587,7 +587,7 @@ def test_3_a_spec_cache_shared_by_threads_keeps_its_bound() -> None:
     import sys
     import threading
 
-    from service.spec_cache import SpecCache
+    from service.store.spec_cache import SpecCache
 
     cache: SpecCache[int] = SpecCache(max_bytes=5000)
     failures: list[BaseException] = []
@@ -642,9 +642,9 @@ def test_11_a_running_attempts_ray_log_is_read_by_range_in_bounded_memory(tmp_pa
     import hashlib
     import tracemalloc
 
-    from service.db import make_engine
-    from service.migrate import upgrade
-    from service.ray_jobs import RayJobs
+    from service.backends.ray_jobs import RayJobs
+    from service.store.db import make_engine
+    from service.store.migrate import upgrade
     from tests.ray_log_http import ray_log_http
 
     engine = make_engine(f"sqlite:///{tmp_path / 'api.db'}")

@@ -1,7 +1,7 @@
 """The second audit (issue 35): storage and spec bytes an owner may hold. Item 7's per-owner archive quota and the
 expiry of archives nobody uses; item 3's per-owner bytes of specs in jobs that have not ended. Each test failed on the
 main it was written against. Quick tier: the public API over real HTTP (`tests.live_api`) on a SQLite file and on
-PostgreSQL, the dispatcher's expiry pass driven by hand under a virtual clock (`service.clock`)."""
+PostgreSQL, the dispatcher's expiry pass driven by hand under a virtual clock (`service.core.clock`)."""
 
 from __future__ import annotations
 
@@ -19,17 +19,19 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from service import attempt_tokens, clock, spec_budget
-from service.auth import Caller
-from service.db import make_engine
-from service.dispatcher import Dispatcher
-from service.jobs import submit
-from service.migrate import upgrade
-from service.models import CodeArchive, Job, JobState
-from service.noop_backend import NoopJobs
-from service.settings import Settings
-from service.spec import JobSpec
-from service.spec_cache import stored_size
+from service.backends.noop import NoopJobs
+from service.config.settings import Settings
+from service.core import clock
+from service.dispatch.dispatcher import Dispatcher
+from service.lifecycle.jobs import submit
+from service.spec.job import JobSpec
+from service.store import spec_budget
+from service.store.db import make_engine
+from service.store.migrate import upgrade
+from service.store.models import CodeArchive, Job, JobState
+from service.store.spec_cache import stored_size
+from service.tenancy import attempt_tokens
+from service.tenancy.auth import Caller
 from tests.live_api import LiveApi, live_api
 from tests.service.conftest import db, fresh_pg_database  # noqa: F401 - the fixture
 
@@ -111,7 +113,7 @@ def _expiry_pass(api: LiveApi, tmp_path: Path) -> list[tuple[str, str]]:
     """One run of the dispatcher's periodic pass (a fresh dispatcher: its first pass is due at once)."""
     dispatcher = Dispatcher(engine=api.engine, settings=api.settings, ray=NoopJobs(tmp_path / "noop"), owner="d1")
     try:
-        return dispatcher.expire_code_archives()
+        return dispatcher.chores.expire_code_archives()
     finally:
         dispatcher._pool.shutdown(wait=True)
 

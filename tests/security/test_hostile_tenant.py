@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.ray_local import LocalHead, free_port
+from service.backends.ray_local import LocalHead, free_port
 from tests.security.probe import result_of
 from tests.service.conftest import Service, service_env
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.ray_local import LocalHead, dashboard_answers, free_port
+from service.backends.ray_local import LocalHead, dashboard_answers, free_port
 from tests.security.probe import result_of
 from tests.security.test_hostile_tenant import MARKER, SERVICE_SECRETS, TOKENS, wait_end
 from tests.service.conftest import Service, service_env

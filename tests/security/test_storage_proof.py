@@ -2,7 +2,7 @@
 archives and checkpoints included, and nothing checked an archive when it was used, nor a checkpoint's manifest
 against anything the job could not forge. Now the service records what it was handed (an archive's files at upload,
 a checkpoint's manifest hash at its report) and each attempt proves its storage by that before it runs or loads any
-of it (`service.code_proof`, `workers.proof`).
+of it (`service.tenancy.code_proof`, `workers.proof`).
 
 Quick tier: a real API over real HTTP (`tests.live_api`) on SQLite and PostgreSQL, real zips unpacked by Ray's own
 unpacking code (no Ray started), real checkpoint folders; the driver's and the train worker's checks are called
@@ -30,12 +30,12 @@ from ray._private.runtime_env.packaging import unzip_package
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from service import attempt_tokens, code_manifest
-from service.dispatcher import Dispatcher
-from service.models import Attempt, CodeArchive, EndReason, Job, JobEvent, JobState
-from service.noop_backend import NoopJobs
-from service.retry import decide
-from service.spec import JobSpec
+from service.backends.noop import NoopJobs
+from service.dispatch.dispatcher import Dispatcher
+from service.policy.retry import decide
+from service.spec.job import JobSpec
+from service.store.models import Attempt, CodeArchive, EndReason, Job, JobEvent, JobState
+from service.tenancy import attempt_tokens, code_manifest
 from tests.live_api import LiveApi, add_attempt, live_api
 from tests.service.conftest import db  # noqa: F401 - the fixture
 from workers import manifest
@@ -156,7 +156,7 @@ def test_5_another_owners_rewritten_archive_never_runs_as_its_owner(
     monkeypatch.syspath_prepend(str(unpacked))  # as Ray's PYTHONPATH puts it: importable, were it not refused
 
     from workers.driver import classify_failure, verify_code
-    from workers.entrypoint import UserCallable, run_loop
+    from workers.train_loop import UserCallable, run_loop
 
     reason, message = verify_code(api.attempt_api(victim)) or (None, "")
     assert reason is EndReason.STORAGE_TAMPERED
@@ -185,8 +185,8 @@ def test_5_another_owners_rewritten_archive_never_runs_as_its_owner(
 def test_5_an_archive_recorded_before_its_listing_is_listed_only_from_proven_bytes(api: LiveApi) -> None:
     """An archive stored before listings were kept has none: its next attempt lists it from the stored file, once
     that file is proven its upload (its sha256 is its name). A file rewritten before that is tampered, not listed."""
-    from service import submission
-    from service.code_proof import ArchiveTampered
+    from service.dispatch import submission
+    from service.tenancy.code_proof import ArchiveTampered
 
     module = f"legacy_{uuid.uuid4().hex[:8]}"
     genuine = _zip({f"{module}.py": "X = 1\n"})

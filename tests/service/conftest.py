@@ -21,11 +21,11 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
 from api.client import Client
-from service.db import make_engine, reachable
-from service.migrate import upgrade
-from service.ray_jobs import RayJobs
-from service.ray_local import LocalHead, free_port
-from service.ray_start import LAUNCHER
+from service.backends.ray_jobs import RayJobs
+from service.backends.ray_local import LocalHead, free_port
+from service.backends.ray_start import LAUNCHER
+from service.store.db import make_engine, reachable
+from service.store.migrate import upgrade
 from tests.conftest import wait_for
 
 PG_ADMIN_URL = os.environ.get("SHUNTER_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
@@ -322,7 +322,7 @@ def multinode_cluster(tmp: Path) -> Iterator[MultiNode]:
     node with an environment of its own swaps it in (`MultiNode.swap`)."""
     from ray.cluster_utils import Cluster
 
-    from service.ray_local import head_environment
+    from service.backends.ray_local import head_environment
 
     saved = dict(os.environ)
     # Node processes inherit this environment: the venv's python on PATH for `python -m workers.driver`,
@@ -341,7 +341,8 @@ def multinode_cluster(tmp: Path) -> Iterator[MultiNode]:
             # ("No available agent") until it times out. The added nodes already pick a free one (cluster_utils).
             "dashboard_agent_listen_port": free_port(),
             "resources": {"head": 1},
-            "setup_worker_path": LAUNCHER,  # as service.ray_start's nodes: Ray's set-up step without importing Ray
+            # As service.backends.ray_start's nodes: Ray's set-up step without importing Ray.
+            "setup_worker_path": LAUNCHER,
             # A node removed without grace is given up after 3 missed health checks 1 s apart instead of Ray's 5
             # at 3 s (15 s a node-loss test waits); each check still has Ray's 10 s to be answered, so a node slow
             # under load is not given up.

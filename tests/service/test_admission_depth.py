@@ -15,13 +15,13 @@ from typing import Any
 from sqlalchemy import event, insert
 from sqlmodel import Session
 
-from service import admission
-from service.backend import ClusterView, NodeView
-from service.db import make_engine
-from service.migrate import upgrade
-from service.models import Job, JobState, Sweep
-from service.settings import Settings
-from service.spec import JobSpec
+from service.config.settings import Settings
+from service.core.backend import ClusterView, NodeView
+from service.dispatch import admission
+from service.spec.job import JobSpec
+from service.store.db import make_engine
+from service.store.migrate import upgrade
+from service.store.models import Job, JobState, Sweep
 
 NOW = datetime(2026, 12, 1, tzinfo=timezone.utc)
 SPEC = {"entrypoint": {"callable": "examples.mlp:train_loop"}, "resources": {"num_workers": 1}}

@@ -12,8 +12,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from service.config.settings import Settings
 from service.runtime import Runtime
-from service.settings import Settings
 
 GOOD = {"entrypoint": {"callable": "examples.mlp:train_loop"}, "resources": {"num_workers": 2}}
 

@@ -15,14 +15,16 @@ from sqlmodel import Session, select
 from typer.testing import CliRunner
 
 from api.cli import app as cli
-from service import dependencies, jobs, leases, submission
-from service.auth import Caller
-from service.dependency_spec import Condition, OnFailure, references, substitute
-from service.errors import Conflict, InvalidSpec
-from service.models import EndReason, Job, JobDependency, JobEvent, JobState
-from service.settings import Settings
-from service.spec import JobSpec
-from service.state import transition
+from service.config.settings import Settings
+from service.core.errors import Conflict, InvalidSpec
+from service.dispatch import submission
+from service.lifecycle import jobs, leases
+from service.lifecycle.state import transition
+from service.spec.depends_on import Condition, OnFailure, references, substitute
+from service.spec.job import JobSpec
+from service.store.models import EndReason, Job, JobDependency, JobEvent, JobState
+from service.tenancy.auth import Caller
+from service.workflows import dependencies
 from tests.live_api import live_api
 
 S = JobState
@@ -281,8 +283,8 @@ def test_another_owners_job_needs_an_admin(db: Engine) -> None:
 def test_a_waiting_job_does_not_block_the_jobs_behind_it(db: Engine, fair: bool) -> None:
     """Admission never sees a waiting job: the lower-priority job behind it starts in the room it would have used,
     with fair share (each owner's heads) or without."""
-    from service import admission
-    from service.backend import ClusterView, NodeView
+    from service.core.backend import ClusterView, NodeView
+    from service.dispatch import admission
 
     put(db, "a")
     waiting = submit(db, Caller(owner="alice"), depends_on=[{"job": "a"}], priority=100,
@@ -374,7 +376,7 @@ def test_a_dependency_ending_while_a_dependent_is_submitted_is_never_missed(db: 
 
     from sqlalchemy import text
 
-    from service.db import session_scope
+    from service.store.db import session_scope
     from tests.conftest import wait_for
 
     put(db, "a")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from service.ray_local import free_port
+from service.backends.ray_local import free_port
 from tests.conftest import timeline, wait_for
 from tests.service.conftest import MultiNode, Service, drain_node, service_env, train_worker_nodes
 

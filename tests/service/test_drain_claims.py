@@ -7,8 +7,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from service.backend import ClusterView, NodeView
-from service.nodes import NodeHistory
+from service.core.backend import ClusterView, NodeView
+from service.dispatch.nodes import NodeHistory
 
 T0 = datetime(2026, 12, 2, 12, tzinfo=timezone.utc)
 A, B, C = "a" * 56, "b" * 56, "c" * 56
@@ -55,8 +55,8 @@ def test_earlier_node_losses_are_counted_from_the_attempts(db: object) -> None:
     """What bounds the free retries (SHUNTER_MAX_FREE_NODE_LOSSES): earlier attempts that drained or lost a node."""
     from sqlmodel import Session
 
-    from service.models import Attempt, EndReason, Job
-    from service.progress import node_losses
+    from service.lifecycle.reports import node_losses
+    from service.store.models import Attempt, EndReason, Job
 
     with Session(db) as session:  # type: ignore[arg-type]
         job = Job(name="j", spec={}, attempt=4)

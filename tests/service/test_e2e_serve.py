@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from api.client import ApiError
-from service.ray_jobs import RayJobs
-from service.ray_local import LocalHead
+from service.backends.ray_jobs import RayJobs
+from service.backends.ray_local import LocalHead
 from tests.conftest import wait_for
 from tests.service.conftest import Service
 

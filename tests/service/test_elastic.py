@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from service.quotas import QueueLimit, Quota, Quotas
-from service.scheduler import WAITING_FOR_ROOM, Candidate, NodeFree, Running, place, plan, preemption, sized
-from service.spec import JobSpec
+from service.policy.quotas import QueueLimit, Quota, Quotas
+from service.policy.scheduler import WAITING_FOR_ROOM, Candidate, NodeFree, Running, place, plan, preemption, sized
+from service.spec.job import JobSpec
 
 NOW = datetime(2026, 12, 1, 12, tzinfo=timezone.utc)
 
@@ -147,11 +147,11 @@ def test_a_bad_range_is_refused_naming_the_field(num_workers: Any, strategy: dic
 
 # ---- one admission pass on a real database --------------------------------------------------------------------
 def test_admission_records_the_size_and_holds_what_it_admitted(db: Engine) -> None:
-    from service import admission
-    from service.backend import ClusterView, NodeView
-    from service.models import Attempt, Job
-    from service.settings import Settings
-    from service.submission import build
+    from service.config.settings import Settings
+    from service.core.backend import ClusterView, NodeView
+    from service.dispatch import admission
+    from service.dispatch.submission import build
+    from service.store.models import Attempt, Job
 
     specs = {"elastic": {"min": 2, "max": 8}, "after": 2}
     with Session(db) as session:
@@ -171,7 +171,7 @@ def test_admission_records_the_size_and_holds_what_it_admitted(db: Engine) -> No
         job = session.exec(select(Job).where(Job.name == "elastic")).one()
         attempt = session.exec(select(Attempt).where(Attempt.job_id == job.id)).one()
         assert job.world_size == 7 and attempt.cpus == 7.0
-        from service.models import JobEvent
+        from service.store.models import JobEvent
 
         said = [
             e.message for e in session.exec(select(JobEvent).where(JobEvent.job_id == job.id)) if e.reason == "admitted"

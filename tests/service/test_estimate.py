@@ -1,6 +1,6 @@
-"""The start estimate's forward replay of admission (`service.forecast`), pure and table-driven; what it reads from the
-database (run ratios, projected submissions) on real SQLite and PostgreSQL; `position` / `estimated_start` over the
-app: tests/api/test_position.py; against what then happens, at scale: tests/service/test_fairshare_sim.py."""
+"""The start estimate's forward replay of admission (`service.policy.forecast`), pure and table-driven; what it reads
+from the database (run ratios, projected submissions) on real SQLite and PostgreSQL; `position` / `estimated_start`
+over the app: tests/api/test_position.py; against what then happens, at scale: tests/service/test_fairshare_sim.py."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from service import estimate
+from service.config.settings import Settings
 from service.estimate import expected_end
-from service.fairshare import FairShare, Usage
-from service.forecast import Arrivals, Policy, Runner, Waiter, forecast
-from service.models import Attempt, EndReason, Job, JobState
-from service.quotas import QueueLimit, Quota, Quotas
-from service.scheduler import Candidate
-from service.settings import Settings
+from service.policy.fairshare import FairShare, Usage
+from service.policy.forecast import Arrivals, Policy, Runner, Waiter, forecast
+from service.policy.quotas import QueueLimit, Quota, Quotas
+from service.policy.scheduler import Candidate
+from service.store.models import Attempt, EndReason, Job, JobState
 
 CPU = "CPU"
 FIFO = Policy(fair=FairShare(enabled=False))
@@ -377,7 +377,7 @@ def test_reads_of_a_job_in_no_answer_that_waited_together_share_one_compute(
 
 def _one_cpu_cluster(session: Session) -> None:
     """The cluster snapshot the estimate reads: one live node of 1 CPU."""
-    from service.models import ClusterSnapshot
+    from service.store.models import ClusterSnapshot
 
     session.merge(ClusterSnapshot(id=1, total={"CPU": 1.0}, available={"CPU": 1.0},
                                   nodes=[{"node_id": "n", "alive": True, "total": {"CPU": 1.0}}]))  # fmt: skip

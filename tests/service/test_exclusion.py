@@ -1,8 +1,8 @@
 """Node exclusion (issue 17): which nodes an attempt's end names, which a job's retries keep off, which everyone's
 admissions keep off for a cool-down (pure tables); then on a real database (SQLite and PostgreSQL): an attempt end
-recorded through `service.progress` writes the faults, admission keeps the job's next attempt off the node (and tells
-the driver through the submission), never traps a job the rest of the cluster cannot hold, and an admin's clear lets
-the node back in."""
+recorded through `service.lifecycle.reports` writes the faults, admission keeps the job's next attempt off the node
+(and tells the driver through the submission), never traps a job the rest of the cluster cannot hold, and an admin's
+clear lets the node back in."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from service.exclusion import Fault, Rules, for_everyone, for_job, named_nodes
+from service.policy.exclusion import Fault, Rules, for_everyone, for_job, named_nodes
 
 NOW = datetime(2026, 12, 2, 9, 0, tzinfo=timezone.utc)
 A, B, C = "a" * 56, "b" * 56, "c" * 56
@@ -85,9 +85,9 @@ def test_for_everyone(faults: list[Fault], rules: Rules, kept: dict[str, tuple[s
 # ---- on a real database ------------------------------------------------------------------------------------------
 def _admit(db: Engine, settings, nodes: list[tuple], now: datetime):  # noqa: ANN001, ANN202
     """An admission pass over (node, CPUs[, CPUs free]) nodes."""
-    from service import admission
-    from service.backend import ClusterView, NodeView
-    from service.spec import JobSpec
+    from service.core.backend import ClusterView, NodeView
+    from service.dispatch import admission
+    from service.spec.job import JobSpec
 
     view = ClusterView([NodeView(n[0], "10.0.0.1", True, {"CPU": n[1]}, {"CPU": n[-1]}) for n in nodes])
     spec_of = lambda j: (JobSpec.model_validate(j.spec), None)  # noqa: E731
@@ -96,11 +96,11 @@ def _admit(db: Engine, settings, nodes: list[tuple], now: datetime):  # noqa: AN
 
 
 def _fail_attempt(db: Engine, job_id: str, message: str, reason: str = "preflight_failed") -> None:
-    from service import progress
-    from service.models import EndReason, Job, JobState
-    from service.state import transition
+    from service.lifecycle import reports
+    from service.lifecycle.state import transition
+    from service.store.models import EndReason, Job, JobState
 
-    assert progress.record_attempt_end(db, job_id=job_id, attempt=1, reason=EndReason(reason), message=message)
+    assert reports.record_attempt_end(db, job_id=job_id, attempt=1, reason=EndReason(reason), message=message)
     with Session(db) as session:
         row = session.get(Job, job_id)
         assert row is not None
@@ -109,10 +109,10 @@ def _fail_attempt(db: Engine, job_id: str, message: str, reason: str = "prefligh
 
 
 def test_the_retry_is_kept_off_the_named_node_and_the_driver_is_told(db: Engine) -> None:
-    from service import submission
-    from service.models import Attempt, Job, JobEvent, NodeFault
-    from service.settings import Settings
-    from service.spec import JobSpec
+    from service.config.settings import Settings
+    from service.dispatch import submission
+    from service.spec.job import JobSpec
+    from service.store.models import Attempt, Job, JobEvent, NodeFault
 
     settings = Settings()
     spec = {"entrypoint": {"callable": "a:b"}, "resources": {"num_workers": 2}, "retries": {"max_attempts": 3}}
@@ -141,8 +141,8 @@ def test_the_retry_is_kept_off_the_named_node_and_the_driver_is_told(db: Engine)
 
 
 def test_a_job_the_rest_of_the_cluster_cannot_hold_is_run_where_it_can(db: Engine) -> None:
-    from service.models import Attempt, Job
-    from service.settings import Settings
+    from service.config.settings import Settings
+    from service.store.models import Attempt, Job
 
     settings = Settings()
     with Session(db) as session:
@@ -158,9 +158,9 @@ def test_a_job_the_rest_of_the_cluster_cannot_hold_is_run_where_it_can(db: Engin
 
 
 def test_several_jobs_failing_on_a_node_keep_it_out_of_everyones_admissions_until_cleared(db: Engine) -> None:
-    from service import exclusion
-    from service.models import Job
-    from service.settings import Settings
+    from service.config.settings import Settings
+    from service.lifecycle import node_faults
+    from service.store.models import Job
 
     settings = Settings(node_exclusion_jobs=2)
     with Session(db) as session:
@@ -172,19 +172,19 @@ def test_several_jobs_failing_on_a_node_keep_it_out_of_everyones_admissions_unti
     for job_id in ("k0", "k1"):
         _fail_attempt(db, job_id, f"rank 0 on node_id='{A}' (10.0.0.2): hung")
     with Session(db) as session:
-        everyone, _ = exclusion.excluded(session, [], settings.exclusion_rules(), now=NOW + timedelta(seconds=1))
+        everyone, _ = node_faults.excluded(session, [], settings.exclusion_rules(), now=NOW + timedelta(seconds=1))
         assert list(everyone) == [A] and everyone[A].jobs == ("k0", "k1")
     assert _admit(db, settings, [(A, 3)], NOW + timedelta(seconds=1))[0] == []  # out for everyone
     with Session(db) as session:
-        assert exclusion.clear(session, A, actor="admin") == 2
+        assert node_faults.clear(session, A, actor="admin") == 2
         session.commit()
     assert sorted(j.id for j in _admit(db, settings, [(A, 3)], NOW + timedelta(seconds=2))[0]) == ["k0", "k1"]
 
 
 def test_one_owners_jobs_alone_cannot_keep_a_node_from_everyone_when_tokens_are_on(db: Engine) -> None:
-    from service import exclusion
-    from service.models import Job
-    from service.settings import Settings
+    from service.config.settings import Settings
+    from service.lifecycle import node_faults
+    from service.store.models import Job
 
     tokens = {"t-m": {"owner": "mallory"}, "t-a": {"owner": "alice"}}
     settings = Settings(api_tokens=tokens)
@@ -199,9 +199,9 @@ def test_one_owners_jobs_alone_cannot_keep_a_node_from_everyone_when_tokens_are_
         _fail_attempt(db, job_id, f"rank 0 on node_id='{A}' (10.0.0.2): sent 1002")
     later = NOW + timedelta(seconds=1)
     with Session(db) as session:
-        everyone, per_job = exclusion.excluded(session, ["m0"], settings.exclusion_rules(), now=later)
+        everyone, per_job = node_faults.excluded(session, ["m0"], settings.exclusion_rules(), now=later)
     assert everyone == {} and per_job == {"m0": {A: "failed the pre-flight check"}}  # only mallory's own retries
     _fail_attempt(db, "m4", f"rank 0 on node_id='{A}' (10.0.0.2): sent 1002")  # a second owner's job fails there too
     with Session(db) as session:
-        everyone, _ = exclusion.excluded(session, [], settings.exclusion_rules(), now=later)
+        everyone, _ = node_faults.excluded(session, [], settings.exclusion_rules(), now=later)
     assert list(everyone) == [A] and everyone[A].jobs == ("m0", "m1", "m2", "m3", "m4")

@@ -1,6 +1,6 @@
-"""Fair share, quotas and borrowing (issue 15), table-driven: the pure decisions (service.fairshare, service.quotas,
-service.scheduler's plan / reclaim / preemption), then what admission reads from the database (service.standing) on a
-real SQLite file and a real PostgreSQL database."""
+"""Fair share, quotas and borrowing (issue 15), table-driven: the pure decisions (service.policy.fairshare,
+service.policy.quotas, service.policy.scheduler's plan / reclaim / preemption), then what admission reads from the
+database (service.store.standing) on a real SQLite file and a real PostgreSQL database."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from hypothesis import strategies as st
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from service import quotas, standing
-from service.fairshare import FairShare, Holding, Usage, Use, decayed, fair_order, shares, usage_of
-from service.models import Attempt, Job, JobState
-from service.quotas import Held, QueueLimit, Quota, Quotas, Scope, check, parse_queue_limit
-from service.scheduler import Candidate, NodeFree, Plan, Running, plan, preemption, reclaim
+from service.policy import quotas
+from service.policy.fairshare import FairShare, Holding, Usage, Use, decayed, fair_order, shares, usage_of
+from service.policy.quotas import Held, QueueLimit, Quota, Quotas, Scope, check, parse_queue_limit
+from service.policy.scheduler import Candidate, NodeFree, Plan, Running, plan, preemption, reclaim
+from service.store import standing
+from service.store.models import Attempt, Job, JobState
 
 HOUR = 3600.0
 
@@ -807,11 +808,11 @@ def test_admission_reclaims_in_a_pass_that_also_admits(db: Engine) -> None:
     """Queue b (4 CPUs nominal, cohort lab) runs three 2-CPU jobs: it borrows 2 of a's. A 2-CPU job of a waits for
     room; a 1-CPU job of `default` fits in the one free CPU. The pass admits the small job and asks b's newest to
     yield for a's."""
-    from service import admission
-    from service.backend import ClusterView, NodeView
-    from service.db import session_scope
-    from service.settings import Settings
-    from service.spec import JobSpec
+    from service.config.settings import Settings
+    from service.core.backend import ClusterView, NodeView
+    from service.dispatch import admission
+    from service.spec.job import JobSpec
+    from service.store.db import session_scope
 
     def spec(workers: int) -> dict[str, object]:
         return {"entrypoint": {"callable": "a:b"}, "resources": {"num_workers": workers}}

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from api.client import Client
-from service.ray_local import free_port
+from service.backends.ray_local import free_port
 from tests.conftest import RAY_TEST_CPUS, wait_for
 from tests.service.conftest import Service, service_env, stop_leftover_ray_jobs
 from tests.service.test_e2e_serve import mlp_spec

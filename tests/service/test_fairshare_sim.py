@@ -21,19 +21,19 @@ from sqlmodel import Session
 
 from bench import fairshare_sim as sim
 from bench.fairshare_report import render, summarise
-from service import clock
-from service.auth import Caller
-from service.backend import Backend, RayJobInfo
-from service.dispatcher import Dispatcher
-from service.jobs import submit
-from service.models import ClusterSnapshot, Job, JobState
-from service.sim_backend import SimJobs
-from service.spec import JobSpec
+from service.backends.sim import SimJobs
+from service.core import clock
+from service.core.backend import Backend, RayJobInfo
+from service.dispatch.dispatcher import Dispatcher
+from service.lifecycle.jobs import submit
+from service.spec.job import JobSpec
+from service.store.models import ClusterSnapshot, Job, JobState
+from service.tenancy.auth import Caller
 
 # With 100 jobs the smaller owners run 17 each, so one job more or less is several percent of their share: the quick
 # tier (on 8 CPUs, half the rounds' work) allows +-10% (FIFO would give every owner a quarter: ratios 0.56 to 1.5).
 # Measured with three dispatchers, six runs: 0.015 to 0.056 (0.12 to 0.30 before a placed job's projection was
-# bounded by its timeout: service/fairshare.py).
+# bounded by its timeout: service/policy/fairshare.py).
 QUICK_SHARE_TOLERANCE = 0.10
 
 
@@ -147,7 +147,7 @@ def test_the_first_cluster_snapshot_stored_by_two_dispatchers_at_once_is_not_los
 
     monkeypatch.setattr(Session, "get", get)
     try:
-        with caplog.at_level("WARNING", logger="service.dispatcher"):
+        with caplog.at_level("WARNING", logger="service.dispatch.dispatcher"):
             assert disp.read_cluster() is not None
     finally:
         disp._pool.shutdown(wait=True)

@@ -23,14 +23,14 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 from sqlmodel import Session, col, select
 
-from service.backend import RayJobInfo
-from service.db import make_engine
-from service.dispatcher import Dispatcher
-from service.errors import InfraError
-from service.host_files import HostFiles
-from service.models import EventKind, Job, JobEvent, JobState, new_job_id, utcnow
-from service.noop_backend import NoopJobs
-from service.settings import Settings
+from service.backends.noop import NoopJobs
+from service.config.settings import Settings
+from service.core.backend import RayJobInfo
+from service.core.errors import InfraError
+from service.dispatch.dispatcher import Dispatcher
+from service.dispatch.host_files import HostFiles
+from service.store.db import make_engine
+from service.store.models import EventKind, Job, JobEvent, JobState, new_job_id, utcnow
 
 pytestmark = pytest.mark.slow
 JOBS = 200

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from service.ray_jobs import RayJobs
-from service.ray_local import LocalHead
+from service.backends.ray_jobs import RayJobs
+from service.backends.ray_local import LocalHead
 from tests.conftest import wait_for
 from tests.service.conftest import Service
 from tests.service.test_e2e_serve import NEVER, mlp_spec

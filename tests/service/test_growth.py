@@ -1,5 +1,5 @@
-"""Growing a running elastic job toward its max (issue 16): pure policy tables (service.growth), then admission passes
-on a real database: grow_requested, the yield, and the next attempt admitted larger with a `resized` event."""
+"""Growing a running elastic job toward its max (issue 16): pure policy tables (service.policy.growth), then admission
+passes on a real database: grow_requested, the yield, and the next attempt admitted larger with a `resized` event."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from service.growth import Growable, grow
-from service.scheduler import Candidate, NodeFree
+from service.policy.growth import Growable, grow
+from service.policy.scheduler import Candidate, NodeFree
 
 NOW = datetime(2026, 12, 2, 12, tzinfo=timezone.utc)
 
@@ -59,12 +59,12 @@ def test_quotas_bound_the_growth() -> None:
 
 # ---- admission passes on a real database ------------------------------------------------------------------------
 def test_a_running_elastic_job_grows_through_a_yield_and_comes_back_larger(db: Engine) -> None:
-    from service import admission
-    from service.backend import ClusterView, NodeView
-    from service.models import Attempt, EventKind, Job, JobEvent, JobState
-    from service.settings import Settings
-    from service.spec import JobSpec
-    from service.state import transition
+    from service.config.settings import Settings
+    from service.core.backend import ClusterView, NodeView
+    from service.dispatch import admission
+    from service.lifecycle.state import transition
+    from service.spec.job import JobSpec
+    from service.store.models import Attempt, EventKind, Job, JobEvent, JobState
 
     settings = Settings(elastic_grow_after_seconds=60)
     spec_of = lambda j: (JobSpec.model_validate(j.spec), None)  # noqa: E731
@@ -109,12 +109,12 @@ def test_a_running_elastic_job_grows_through_a_yield_and_comes_back_larger(db: E
 
 
 def test_a_waiting_job_of_equal_priority_keeps_an_elastic_job_from_growing(db: Engine) -> None:
-    from service import admission
-    from service.backend import ClusterView, NodeView
-    from service.models import Job, JobState
-    from service.settings import Settings
-    from service.spec import JobSpec
-    from service.state import transition
+    from service.config.settings import Settings
+    from service.core.backend import ClusterView, NodeView
+    from service.dispatch import admission
+    from service.lifecycle.state import transition
+    from service.spec.job import JobSpec
+    from service.store.models import Job, JobState
 
     settings = Settings(elastic_grow_after_seconds=0)
     spec_of = lambda j: (JobSpec.model_validate(j.spec), None)  # noqa: E731

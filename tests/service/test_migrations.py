@@ -14,10 +14,10 @@ from sqlalchemy import inspect, text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, SQLModel
 
-from service.db import make_engine
-from service.migrate import current, upgrade
-from service.models import Job
-from service.spec import JobSpec
+from service.spec.job import JobSpec
+from service.store.db import make_engine
+from service.store.migrate import current, upgrade
+from service.store.models import Job
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPRESSION_INDEXES = ("ix_jobs_admission_order", "ix_jobs_owner_admission_order")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from service.ray_local import free_port
+from service.backends.ray_local import free_port
 from tests.conftest import wait_for
 from tests.service.conftest import MultiNode, Service, service_env, train_worker_nodes
 from tests.service.test_e2e_serve import mlp_spec

@@ -20,18 +20,11 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from api.app import create_app
-from service import notify
-from service.auth import Caller
-from service.errors import InvalidSpec, StaleWrite
-from service.jobs import submit
-from service.models import Job, JobState
-from service.notify_models import Notification, NotifySecret
-from service.notify_spec import DEFAULT_EVENTS, STATE_NAMES, ClusterWebhook
-from service.runtime import Runtime
-from service.settings import Settings
-from service.spec import JobSpec
-from service.state import transition
-from service.webhook_rules import (
+from service.config.settings import Settings
+from service.core.errors import InvalidSpec, StaleWrite
+from service.lifecycle.jobs import submit
+from service.lifecycle.state import transition
+from service.policy.webhook_rules import (
     Outcome,
     RetryPolicy,
     address_problem,
@@ -42,7 +35,14 @@ from service.webhook_rules import (
     sign,
     verify,
 )
-from service.webhooks import Sender, owner_in_flight, pinned_address
+from service.runtime import Runtime
+from service.spec.job import JobSpec
+from service.spec.notify import DEFAULT_EVENTS, STATE_NAMES, ClusterWebhook
+from service.store.models import Job, JobState
+from service.store.notify_tables import Notification, NotifySecret
+from service.tenancy.auth import Caller
+from service.workflows import notifications as notify
+from service.workflows.webhooks import Sender, owner_in_flight, pinned_address
 from tests.conftest import wait_for
 from tests.service.webhook_receiver import running_receiver
 
@@ -416,7 +416,7 @@ def test_connects_to_the_address_it_checked(monkeypatch: pytest.MonkeyPatch, tmp
         pinned_address("hooks.rebind.invalid", 80, allow_private=False)
     import httpx
 
-    from service.webhooks import post
+    from service.workflows.webhooks import post
 
     with running_receiver() as rx, httpx.Client(trust_env=False, follow_redirects=False, timeout=5) as client:
         result = post(client, f"http://hooks.rebind.invalid:{rx.port}/h", b"{}", {}, allow_private=True)
@@ -576,7 +576,7 @@ def test_a_refusing_receivers_answer_is_read_only_in_part(drip: bool) -> None:
     at a time (it would hold a sending thread) is cut at BODY_KEPT bytes or BODY_SECONDS, whichever comes first."""
     import httpx
 
-    from service.webhooks import BODY_KEPT, BODY_SECONDS, post
+    from service.workflows.webhooks import BODY_KEPT, BODY_SECONDS, post
 
     listener = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()

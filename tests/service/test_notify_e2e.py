@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.ray_local import LocalHead, free_port
-from service.webhook_rules import verify
+from service.backends.ray_local import LocalHead, free_port
+from service.policy.webhook_rules import verify
 from tests.conftest import wait_for
 from tests.service.conftest import Service, service_env, stop_leftover_ray_jobs
 from tests.service.webhook_receiver import running_receiver

@@ -1,5 +1,5 @@
-"""Placement groups that Ray keeps holding for jobs that have ended (`service.ray_jobs.orphaned`) are removed by the
-dispatcher, so their CPUs and GPUs are not lost to every later job for as long as the cluster lives.
+"""Placement groups that Ray keeps holding for jobs that have ended (`service.backends.ray_jobs.orphaned`) are removed
+by the dispatcher, so their CPUs and GPUs are not lost to every later job for as long as the cluster lives.
 
 Seen in a slow-tier run: a job stopped on its timeout while Ray Train's controller was restarting its worker group.
 The controller registered the new group's placement group ~80 ms after the GCS had marked its job finished and
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from service.db import make_engine
-from service.dispatcher import Dispatcher
-from service.migrate import upgrade
-from service.ray_jobs import PlacementGroupFacts, RayJobs, orphaned
-from service.ray_local import LocalHead
-from service.settings import Settings
+from service.backends.ray_jobs import PlacementGroupFacts, RayJobs, orphaned
+from service.backends.ray_local import LocalHead
+from service.config.settings import Settings
+from service.dispatch.dispatcher import Dispatcher
+from service.store.db import make_engine
+from service.store.migrate import upgrade
 from tests.conftest import wait_for
 
 

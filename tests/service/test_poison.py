@@ -18,15 +18,15 @@ from sqlalchemy import text, update
 from sqlalchemy.engine import Connection, Engine
 from sqlmodel import Session, col, select
 
-from service.auth import Caller
-from service.backend import ClusterView, NodeView, RayJobInfo, submission_id
-from service.db import make_engine
-from service.dispatcher import Dispatcher
-from service.jobs import submit
-from service.models import Attempt, EndReason, Job, JobEvent, JobState, utcnow
-from service.noop_backend import NoopJobs
-from service.settings import Settings
-from service.spec import JobSpec
+from service.backends.noop import NoopJobs
+from service.config.settings import Settings
+from service.core.backend import ClusterView, NodeView, RayJobInfo, submission_id
+from service.dispatch.dispatcher import Dispatcher
+from service.lifecycle.jobs import submit
+from service.spec.job import JobSpec
+from service.store.db import make_engine
+from service.store.models import Attempt, EndReason, Job, JobEvent, JobState, utcnow
+from service.tenancy.auth import Caller
 
 GOOD = {"entrypoint": {"callable": "examples.mlp:train_loop"}, "resources": {"num_workers": 1}}
 FULL_DS_CONFIG = {  # the issue's curl: a full DeepSpeed config, accepted with 201, then stopped admission for all
@@ -231,8 +231,8 @@ class SaysFailedWithNul(Backend):
 
 
 def test_a_nul_in_what_ray_says_of_a_job_does_not_make_its_end_unwritable(db: Engine, tmp_path: Path) -> None:
-    """PostgreSQL text cannot hold NUL: before service.db scrubbed it, the job's end failed to commit on every tick
-    and the job stayed RUNNING for ever, holding its quota."""
+    """PostgreSQL text cannot hold NUL: before service.store.db scrubbed it, the job's end failed to commit on every
+    tick and the job stayed RUNNING for ever, holding its quota."""
     backend = SaysFailedWithNul(tmp_path / "noop")
     conf = Settings(database_url="sqlite://", data_dir=tmp_path / "data", storage_uri=str(tmp_path / "ckpt"))
     disp = Dispatcher(engine=db, settings=conf, ray=backend, owner="d1")
@@ -253,7 +253,7 @@ def _add_missing_schema(conn: Connection) -> None:
     from sqlalchemy import inspect
     from sqlmodel import SQLModel
 
-    import service.db  # noqa: F401  (imports every table module)
+    import service.store.db  # noqa: F401  (imports every table module)
 
     have = inspect(conn)
     tables = set(have.get_table_names())
@@ -275,7 +275,7 @@ def test_a_write_the_database_refuses_ends_that_job_after_patience_not_never(tmp
     """A database the new release did not migrate yet lacks the end reason `cluster_restarted` (PostgreSQL enum):
     recording that one attempt's end fails with a DataError on every tick. The job is given up on after
     `job_fault_patience_seconds`, as any job shunter cannot handle, and the others carry on."""
-    from service.migrate import upgrade
+    from service.store.migrate import upgrade
     from tests.service.conftest import fresh_pg_database
 
     with fresh_pg_database("shunter_oldschema") as url:

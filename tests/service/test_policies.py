@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from service.errors import InvalidSpec
-from service.jobs import check_fits_cluster
-from service.models import ClusterSnapshot, EndReason
-from service.retry import decide
-from service.scheduler import Candidate, NodeFree, pick, place
-from service.spec import JobSpec
+from service.core.errors import InvalidSpec
+from service.lifecycle.jobs import check_fits_cluster
+from service.policy.retry import decide
+from service.policy.scheduler import Candidate, NodeFree, pick, place
+from service.spec.job import JobSpec
+from service.store.models import ClusterSnapshot, EndReason
 
 
 def cand(job_id: str, workers: int, cpu: float = 1.0, prio: int = 0, seq: float = 0.0, placement: str = "pack"):
@@ -120,7 +120,7 @@ def test_drained_attempts_do_not_use_up_max_attempts() -> None:
 
 
 # ---- queue limits and the starvation guard -------------------------------------------------------------------
-from service.scheduler import QueueLimit, QueueUsage, plan  # noqa: E402
+from service.policy.scheduler import QueueLimit, QueueUsage, plan  # noqa: E402
 
 
 def test_queue_limit_on_running_jobs_holds_the_rest_with_a_reason() -> None:
@@ -166,7 +166,7 @@ def test_the_starvation_guard_counts_from_when_a_dependent_job_became_ready(read
 
 
 # ---- preemption: only lower-priority jobs of the blocked job's own queue -----------------------------------------
-from service.scheduler import Running, preemption  # noqa: E402
+from service.policy.scheduler import Running, preemption  # noqa: E402
 
 
 def running(job_id: str, prio: int, queue: str, cpu: float = 2.0, seq: float = 0.0) -> Running:

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.ray_local import free_port
+from service.backends.ray_local import free_port
 from tests.service.conftest import MultiNode, Service, service_env
 from tests.service.test_e2e_serve import mlp_spec
 

@@ -16,13 +16,13 @@ from sqlalchemy import update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from service import attempt_tokens
-from service.attempt_tokens import InvalidToken, issue, verify
-from service.models import Attempt, Checkpoint, EndReason, Job, JobState, Metric, ProgressKey, utcnow
-from service.ray_local import head_environment
-from service.settings import Settings
-from service.spec import JobSpec
-from service.submission import build
+from service.backends.ray_local import head_environment
+from service.config.settings import Settings
+from service.dispatch.submission import build
+from service.spec.job import JobSpec
+from service.store.models import Attempt, Checkpoint, EndReason, Job, JobState, Metric, ProgressKey, utcnow
+from service.tenancy import attempt_tokens
+from service.tenancy.attempt_tokens import InvalidToken, issue, verify
 from tests.live_api import LiveApi, add_attempt, live_api
 
 SPEC = {"entrypoint": {"callable": "examples.mlp:train_loop"}, "config": {"lr": 0.5}, "resources": {"num_workers": 2}}

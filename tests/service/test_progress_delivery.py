@@ -13,10 +13,10 @@ from ray.train import Checkpoint as RayCheckpoint
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from service import attempt_tokens
-from service.models import Attempt, Checkpoint, EndReason, Job, JobState, Metric
-from service.progress import record_report
-from service.ray_local import free_port
+from service.backends.ray_local import free_port
+from service.lifecycle.reports import record_report
+from service.store.models import Attempt, Checkpoint, EndReason, Job, JobState, Metric
+from service.tenancy import attempt_tokens
 from tests.conftest import wait_for
 from tests.live_api import add_attempt, live_api
 from workers.attempt_api import AttemptApi

@@ -11,9 +11,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from service.backend import RayJobInfo
-from service.models import EndReason, JobState
-from service.reconcile import (
+from service.core.backend import RayJobInfo
+from service.policy.reconcile import (
     AttemptFacts,
     DumpStacks,
     Finish,
@@ -27,7 +26,8 @@ from service.reconcile import (
     classify,
     decide,
 )
-from service.stall import StallFacts
+from service.policy.stall import StallFacts
+from service.store.models import EndReason, JobState
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc)
 PATIENCE = Patience(submit_seconds=120, preemption_grace_seconds=60)
@@ -276,7 +276,8 @@ def test_without_a_node_table_nothing_is_presumed_dead() -> None:
     assert actions == [Wait("Ray says RUNNING")]
 
 
-# ---- hang detection (service.stall): a RUNNING attempt that reported, then went quiet ----------------------------
+# ---- hang detection (service.policy.stall): a RUNNING attempt that reported, then went quiet
+# ----------------------------
 def quiet(seconds: float, *, after: float = 30, asked: float | None = None, ended: float | None = None,
           ran: bool = True, said: str | None = None) -> StallFacts:  # fmt: skip
     """Stall facts of an attempt quiet for `seconds` (timeout `after`), its stacks asked for `asked` s ago and the

@@ -17,11 +17,11 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from service import attempt_tokens
-from service.db import make_engine
-from service.migrate import upgrade
-from service.models import Attempt, Checkpoint, Job, JobEvent, JobState
-from service.progress import record_report, record_restore
+from service.lifecycle.reports import record_report, record_restore
+from service.store.db import make_engine
+from service.store.migrate import upgrade
+from service.store.models import Attempt, Checkpoint, Job, JobEvent, JobState
+from service.tenancy import attempt_tokens
 from tests.live_api import add_attempt, live_api
 from workers.attempt_api import AttemptApi, AttemptApiError
 
@@ -158,7 +158,7 @@ def with_env(config: dict[str, Any], *, env: dict[str, str]) -> None:
     """The train loop of one fit, with the environment the dispatcher gives a Ray Job (Train workers are fresh actor
     processes of this test's Ray cluster, which do not inherit the test's own environment)."""
     from examples.mlp import train_loop
-    from workers.entrypoint import run_loop
+    from workers.train_loop import run_loop
 
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from api.client import Client
-from service.ray_local import LocalHead
+from service.backends.ray_local import LocalHead
 from tests.conftest import wait_for
 from tests.service.conftest import Scenarios, Service
 from workers import manifest

@@ -1,4 +1,4 @@
-"""Signals (service.signals) and what the dispatcher does with them, on a real SQLite file and a real PostgreSQL.
+"""Signals (service.store.signals) and what the dispatcher does with them, on a real SQLite file and a real PostgreSQL.
 
 A dispatcher whose tick is 30 s here can only act within a second by a signal: a job posted, an attempt's driver
 saying its run ended. The no-op backend stands in for Ray (its jobs stay RUNNING for an hour unless stopped): what
@@ -18,14 +18,15 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from service import progress, signals
-from service.auth import Caller
-from service.dispatcher import Dispatcher
-from service.jobs import submit
-from service.models import Attempt, EndReason, Job, JobEvent, JobState
-from service.noop_backend import NoopJobs
-from service.settings import Settings
-from service.spec import JobSpec
+from service.backends.noop import NoopJobs
+from service.config.settings import Settings
+from service.dispatch.dispatcher import Dispatcher
+from service.lifecycle import reports
+from service.lifecycle.jobs import submit
+from service.spec.job import JobSpec
+from service.store import signals
+from service.store.models import Attempt, EndReason, Job, JobEvent, JobState
+from service.tenancy.auth import Caller
 from tests.conftest import wait_for
 
 TICK = 30.0  # the dispatcher's tick here: what happens well before it was the work of a signal
@@ -155,7 +156,7 @@ def test_the_drivers_last_word_ends_the_attempt_at_once_and_its_log_is_kept_once
         attempt = session.exec(select(Attempt).where(Attempt.job_id == job_id)).one()
     wait_for(lambda: dispatcher.ray.info(attempt.submission_id) is not None, timeout=TICK / 3, what="submitted")
     said = time.time()
-    assert progress.record_attempt_end(db, job_id=job_id, attempt=1, reason=EndReason.SUCCEEDED, message="succeeded")
+    assert reports.record_attempt_end(db, job_id=job_id, attempt=1, reason=EndReason.SUCCEEDED, message="succeeded")
     wait_for(lambda: state_event_at(db, job_id, JobState.SUCCEEDED) is not None, timeout=TICK / 3, what="SUCCEEDED")
     ended = state_event_at(db, job_id, JobState.SUCCEEDED)
     assert ended is not None and ended - said < TICK / 3, f"SUCCEEDED {ended - said:.3f}s after the driver's word"
@@ -188,7 +189,7 @@ def test_a_ray_job_that_fails_after_its_attempt_succeeded_is_an_event_not_a_fail
     with Session(db) as session:
         attempt = session.exec(select(Attempt).where(Attempt.job_id == job_id)).one()
     wait_for(lambda: dispatcher.ray.info(attempt.submission_id) is not None, timeout=TICK / 3, what="submitted")
-    assert progress.record_attempt_end(db, job_id=job_id, attempt=1, reason=EndReason.SUCCEEDED, message="succeeded")
+    assert reports.record_attempt_end(db, job_id=job_id, attempt=1, reason=EndReason.SUCCEEDED, message="succeeded")
     wait_for(lambda: state_event_at(db, job_id, JobState.SUCCEEDED) is not None, timeout=TICK / 3, what="SUCCEEDED")
     dispatcher.ray.fail(attempt.submission_id)
     dispatcher.late.step()
@@ -208,7 +209,7 @@ def test_a_restarted_dispatcher_keeps_the_log_the_dead_one_left(db: Engine, disp
     with Session(db) as session:
         attempt = session.exec(select(Attempt).where(Attempt.job_id == job_id)).one()
     wait_for(lambda: dispatcher.ray.info(attempt.submission_id) is not None, timeout=TICK / 3, what="submitted")
-    progress.record_attempt_end(db, job_id=job_id, attempt=1, reason=EndReason.USER_ERROR, message="ValueError: x")
+    reports.record_attempt_end(db, job_id=job_id, attempt=1, reason=EndReason.USER_ERROR, message="ValueError: x")
     wait_for(lambda: state_event_at(db, job_id, JobState.FAILED) is not None, timeout=TICK / 3, what="FAILED")
     with Session(db) as session:
         assert session.get(Job, job_id).last_error == "ValueError: x"  # the driver's words, not a placeholder
@@ -226,9 +227,9 @@ def test_a_restarted_dispatcher_keeps_the_log_the_dead_one_left(db: Engine, disp
 CANCEL_ELSEWHERE = """
 import sys, time
 from sqlmodel import Session
-from service.db import make_engine
-from service.auth import Caller
-from service.jobs import cancel
+from service.store.db import make_engine
+from service.tenancy.auth import Caller
+from service.lifecycle.jobs import cancel
 engine = make_engine(sys.argv[1])
 with Session(engine) as session:
     cancel(session, sys.argv[2], caller=Caller())
@@ -291,7 +292,7 @@ def test_an_event_stream_hears_a_new_event_at_once_not_at_its_next_read(
             committed = float(out.stdout.split()[-1])
         else:
             with Session(db) as session:
-                from service.jobs import cancel
+                from service.lifecycle.jobs import cancel
 
                 cancel(session, job_id, caller=Caller())
                 session.commit()

@@ -6,7 +6,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from service.spec import JobSpec, parse_memory
+from service.spec.job import JobSpec, parse_memory
 
 OK = {"entrypoint": {"callable": "examples.mlp:train_loop"}}
 

@@ -20,11 +20,11 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from service.auth import Caller
-from service.db import session_scope
-from service.jobs import submit
-from service.models import Job, JobState
-from service.spec import JobSpec
+from service.lifecycle.jobs import submit
+from service.spec.job import JobSpec
+from service.store.db import session_scope
+from service.store.models import Job, JobState
+from service.tenancy.auth import Caller
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DB_SETTINGS = settings(
@@ -448,7 +448,7 @@ def test_notify_secrets_are_the_one_thing_not_dumped(db: Engine, body: dict[str,
     """A notify entry's secret is write-only: no dump of the spec holds it (the API returns the stored spec, the driver
     gets it), and everything else round-trips exactly as the generic properties say; the secret itself is stored
     apart (notify_secrets), exactly as written."""
-    from service.notify_models import NotifySecret
+    from service.store.notify_tables import NotifySecret
 
     body = {k: v for k, v in body.items() if k != "depends_on"}  # no jobs to depend on in this database
     spec = accepted({**body, "notify": entries})
@@ -502,7 +502,8 @@ def test_a_job_written_in_one_statement_reads_back_as_the_orm_writes_it(db: Engi
 
 
 HEX64 = st.text("0123456789abcdef", min_size=64, max_size=64)
-# What a zip member's path can be once `service.code_store.check_archive` took it: any text but NUL and backslash.
+# What a zip member's path can be once `service.tenancy.code_store.check_archive` took it: any text but NUL and
+# backslash.
 member_paths = st.lists(
     st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00\\/"), min_size=1, max_size=12),
     min_size=1,
@@ -515,8 +516,9 @@ member_paths = st.lists(
 def test_what_proves_storage_reads_back_as_written(db: Engine, files: dict[str, str], sealed: str | None) -> None:
     """A code archive's listing (paths to sha256, recorded at upload) and a checkpoint's manifest hash (recorded at its
     report) read back exactly as written: what an attempt is handed to prove its storage by is what was recorded."""
-    from service import code_manifest, code_proof, progress
-    from service.models import ACTIVE_STATES, Attempt, CodeArchive
+    from service.lifecycle import reports
+    from service.store.models import ACTIVE_STATES, Attempt, CodeArchive
+    from service.tenancy import code_manifest, code_proof
 
     owner, archive = f"o{uuid.uuid4().hex[:8]}", uuid.uuid4().hex * 2
     with session_scope(db) as session:
@@ -530,8 +532,8 @@ def test_what_proves_storage_reads_back_as_written(db: Engine, files: dict[str, 
         job_id = job.id
     assert JobState.RUNNING in ACTIVE_STATES
     uri = f"s3://bucket/{job_id}/{next(iter(files), 'checkpoint')}"
-    assert progress.record_report(db, job_id=job_id, attempt=1, metrics={}, checkpoint_uri=uri, manifest_sha256=sealed)
+    assert reports.record_report(db, job_id=job_id, attempt=1, metrics={}, checkpoint_uri=uri, manifest_sha256=sealed)
     with Session(db) as session:
         row = session.exec(select(CodeArchive).where(CodeArchive.owner == owner)).one()
     assert row.tree == files and row.tree_sha256 == code_manifest.digest(files) == code_manifest.digest(dict(row.tree))
-    assert progress.checkpoint_manifest(db, job_id=job_id, uri=uri) == (True, sealed)
+    assert reports.checkpoint_manifest(db, job_id=job_id, uri=uri) == (True, sealed)

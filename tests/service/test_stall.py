@@ -1,7 +1,7 @@
-"""Hang detection (issue 17): the stall timeout's policy as a table (service.stall), then a real dispatcher on both
-databases, on the service's clock (a `VirtualClock`), with the noop backend (a working implementation of the backend
-protocol without Ray: what is under test is which attempt is called stalled and when, not Ray; the stacks themselves
-are proven on real Ray in test_stall_e2e.py)."""
+"""Hang detection (issue 17): the stall timeout's policy as a table (service.policy.stall), then a real dispatcher on
+both databases, on the service's clock (a `VirtualClock`), with the noop backend (a working implementation of the
+backend protocol without Ray: what is under test is which attempt is called stalled and when, not Ray; the stacks
+themselves are proven on real Ray in test_stall_e2e.py)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,16 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from service import clock, progress
-from service.auth import Caller
-from service.dispatcher import Dispatcher
-from service.jobs import submit
-from service.models import EndReason, Job, JobEvent, JobState
-from service.noop_backend import NoopJobs
-from service.settings import Settings
-from service.spec import JobSpec
-from service.stall import StallPolicy, longest_interval, stacks_submission_id, stall_timeout
+from service.backends.noop import NoopJobs
+from service.config.settings import Settings
+from service.core import clock
+from service.dispatch.dispatcher import Dispatcher
+from service.lifecycle import reports
+from service.lifecycle.jobs import submit
+from service.policy.stall import StallPolicy, longest_interval, stacks_submission_id, stall_timeout
+from service.spec.job import JobSpec
+from service.store.models import EndReason, Job, JobEvent, JobState
+from service.tenancy.auth import Caller
 
 T0 = datetime(2026, 12, 2, 12, tzinfo=timezone.utc)
 POLICY = StallPolicy(detect=True, min_seconds=600, factor=10)
@@ -106,13 +107,13 @@ def stall_events(db: Engine, job_id: str) -> list[JobEvent]:
 
 def running(db: Engine, disp: Dispatcher, job_id: str) -> None:
     disp.tick()  # admitted and submitted
-    assert progress.record_started(db, job_id=job_id, attempt=1)
+    assert reports.record_started(db, job_id=job_id, attempt=1)
     disp.tick()
     assert job(db, job_id).state == JobState.RUNNING
 
 
 def report(db: Engine, job_id: str, step: int, **metrics: float) -> None:
-    assert progress.record_report(db, job_id=job_id, attempt=1, metrics={"step": step, **metrics})
+    assert reports.record_report(db, job_id=job_id, attempt=1, metrics={"step": step, **metrics})
 
 
 def test_a_loop_that_stops_reporting_is_stalled_after_its_timeout_and_its_stacks_asked_for(db: Engine, run) -> None:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from service.host_files import HostFiles
+from service.dispatch.host_files import HostFiles
 from tests.conftest import wait_for
 from tests.service.conftest import Service
 from tests.service.test_e2e_serve import mlp_spec

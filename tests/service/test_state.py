@@ -8,10 +8,10 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from service.db import session_scope
-from service.errors import IllegalTransition, StaleWrite
-from service.models import Job, JobEvent, JobState
-from service.state import ALLOWED, is_allowed, transition
+from service.core.errors import IllegalTransition, StaleWrite
+from service.lifecycle.state import ALLOWED, is_allowed, transition
+from service.store.db import session_scope
+from service.store.models import Job, JobEvent, JobState
 
 S = JobState
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service.ray_local import LocalHead
+from service.backends.ray_local import LocalHead
 from tests.service.conftest import Scenarios, Service
 
 pytestmark = pytest.mark.slow

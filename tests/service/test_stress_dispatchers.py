@@ -18,8 +18,8 @@ from sqlalchemy import insert
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from service.models import Job, JobEvent, JobState, new_job_id, utcnow
-from service.noop_backend import NoopJobs
+from service.backends.noop import NoopJobs
+from service.store.models import Job, JobEvent, JobState, new_job_id, utcnow
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.slow

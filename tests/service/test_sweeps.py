@@ -17,15 +17,16 @@ from pydantic import ValidationError
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from service import sweep_policy, sweeps
-from service.auth import Caller
-from service.errors import Conflict, InvalidSpec
-from service.models import EndReason, Job, JobState, Metric, Sweep
-from service.settings import Settings
-from service.spec import JobSpec
-from service.state import transition
-from service.sweep_policy import Queued, Scored
-from service.sweep_spec import SPEC_ROOTS, SweepRequest, member_specs
+from service.config.settings import Settings
+from service.core.errors import Conflict, InvalidSpec
+from service.lifecycle import sweeps
+from service.lifecycle.state import transition
+from service.policy import sweep_rules
+from service.policy.sweep_rules import Queued, Scored
+from service.spec.job import JobSpec
+from service.spec.sweep import SPEC_ROOTS, SweepRequest, member_specs
+from service.store.models import EndReason, Job, JobState, Metric, Sweep
+from service.tenancy.auth import Caller
 from tests.service.test_spec_roundtrip import json_values, spec_bodies
 
 BASE: dict[str, Any] = {"entrypoint": {"callable": "examples.mlp:train_loop"}, "config": {"total_steps": 4}}
@@ -162,7 +163,7 @@ def q(job: str, sweep: str, index: int) -> Queued:
     ],
 )  # fmt: skip
 def test_hold(queued: list[Queued], active: dict[str, int], limits: dict[str, int], held: dict[str, str]) -> None:
-    out = sweep_policy.hold(queued, active, limits)
+    out = sweep_rules.hold(queued, active, limits)
     assert set(out) == set(held)
     for job_id, kind in held.items():
         sweep = next(m.sweep_id for m in queued if m.job_id == job_id)
@@ -191,8 +192,8 @@ def s(index: int, value: float | None, state: str = "SUCCEEDED") -> Scored:
     ],
 )  # fmt: skip
 def test_rank_and_best(members: list[Scored], mode: str, ranked: list[int], best: int | None) -> None:
-    assert sweep_policy.rank(members, mode) == ranked
-    assert sweep_policy.best(members, mode) == best
+    assert sweep_rules.rank(members, mode) == ranked
+    assert sweep_rules.best(members, mode) == best
 
 
 # ---- round trip ------------------------------------------------------------------------------------------------
@@ -308,8 +309,8 @@ def test_idempotent_create(db: Engine, tmp_path: Path) -> None:
 
 
 def _admit(db: Engine, settings: Settings, cpus: float, now: datetime) -> list[str]:
-    from service import admission
-    from service.backend import ClusterView, NodeView
+    from service.core.backend import ClusterView, NodeView
+    from service.dispatch import admission
 
     view = ClusterView([NodeView("n" * 56, "10.0.0.1", True, {"CPU": cpus}, {"CPU": cpus})])
     spec_of = lambda j: (JobSpec.model_validate(j.spec), None)  # noqa: E731
@@ -388,7 +389,7 @@ def test_status_ranks_by_the_last_reported_value(db: Engine, tmp_path: Path) -> 
 
 
 def test_cancel_reaches_every_live_member_and_hides_from_others(db: Engine, tmp_path: Path) -> None:
-    from service.errors import NotFound
+    from service.core.errors import NotFound
 
     sweep_id = make(db, tmp_path, count=3, max_parallel=1)
     [first] = _admit(db, conf_for(db, tmp_path), 8, NOW)
@@ -410,7 +411,7 @@ def test_cancel_reaches_every_live_member_and_hides_from_others(db: Engine, tmp_
 def test_members_keep_the_base_notify_entrys_write_only_secret(db: Engine, tmp_path: Path) -> None:
     """A notify secret is never dumped, so a member built from the base's dump would lose it and be signed with the
     cluster's secret: each member keeps its own copy, and the sweep's stored request has none."""
-    from service.notify_models import NotifySecret
+    from service.store.notify_tables import NotifySecret
 
     secret = "s3cret-of-at-least-16"
     notify = [{"url": "https://hooks.example.com/done", "secret": secret}]

@@ -23,13 +23,13 @@ from sqlalchemy.engine import Engine
 
 from api.app import create_app
 from api.client import zip_directory
-from service import code_store
-from service.auth import Caller
-from service.ray_jobs import RayJobs
+from service.backends.ray_jobs import RayJobs
+from service.config.settings import Settings
 from service.runtime import Runtime
-from service.settings import Settings
-from service.spec import JobSpec
-from service.tenancy import check_spec
+from service.spec.job import JobSpec
+from service.tenancy import code_store
+from service.tenancy.auth import Caller
+from service.tenancy.modes import check_spec
 
 TOKENS = {
     "tok-alice": {"owner": "alice"},

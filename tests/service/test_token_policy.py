@@ -21,14 +21,15 @@ from pydantic import ValidationError
 from sqlalchemy.engine import Engine
 
 from api.app import create_app
-from service import jobs
-from service.auth import Caller, TokenInfo
-from service.db import session_scope
-from service.errors import Forbidden
-from service.models import JobState
+from service.config.settings import Settings
+from service.config.tokens import TokenInfo
+from service.core.errors import Forbidden
+from service.lifecycle import jobs
 from service.runtime import Runtime
-from service.settings import Settings
-from service.spec import JobSpec
+from service.spec.job import JobSpec
+from service.store.db import session_scope
+from service.store.models import JobState
+from service.tenancy.auth import Caller
 from tests.api.conftest import GOOD, offline_settings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""SQLite writers of one process take turns (service.db.WriteTurns) instead of polling SQLite's lock with sleeps:
+"""SQLite writers of one process take turns (service.store.db.WriteTurns) instead of polling SQLite's lock with sleeps:
 on a real SQLite file, with real threads. Every way a write transaction can end gives the turn back: a turn kept
 would make the next writer wait `TURN_WAIT_SECONDS` (set to a minute here, so a leak cannot hide)."""
 
@@ -14,8 +14,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from service import db
-from service.db import begin_write, make_engine, session_scope, write_bind
+from service.store import db
+from service.store.db import begin_write, make_engine, session_scope, write_bind
 
 
 @pytest.fixture

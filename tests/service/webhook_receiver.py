@@ -1,7 +1,7 @@
 """A real HTTP receiver of webhooks for tests: http.server on 127.0.0.1 in a thread, recording every request.
 
 `refuse_first` answers the first N requests 503; `respond` may answer any request with (status, headers) instead,
-e.g. a redirect or a hang. Receivers verify with `service.webhook_rules.verify`, as a user's would.
+e.g. a redirect or a hang. Receivers verify with `service.policy.webhook_rules.verify`, as a user's would.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from sqlalchemy.engine import Engine
 
-from service.db import make_engine
-from service.migrate import upgrade
+from service.store.db import make_engine
+from service.store.migrate import upgrade
 from tests.service.conftest import service  # noqa: F401 - re-exported for the end-to-end test
 from tests.ui.browser import VIEWPORT, chromium
 

@@ -1,6 +1,6 @@
 """Jobs in the states the pages show, made the way the service makes them: submitted over the real API, admitted by
 the real admission pass, progress reported through the attempt API a job's train loop uses, state changed by
-`service.state.transition` as the dispatcher does. Shared by the browser tests and the screenshot command."""
+`service.lifecycle.state.transition` as the dispatcher does. Shared by the browser tests and the screenshot command."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import httpx
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from service import admission
-from service.backend import ClusterView, NodeView
-from service.models import Attempt, ClusterSnapshot, EndReason, Job, JobState, utcnow
-from service.settings import Settings
-from service.spec import JobSpec
-from service.state import transition
+from service.config.settings import Settings
+from service.core.backend import ClusterView, NodeView
+from service.dispatch import admission
+from service.lifecycle.state import transition
+from service.spec.job import JobSpec
+from service.store.models import Attempt, ClusterSnapshot, EndReason, Job, JobState, utcnow
 from tests.live_api import LiveApi
 
 NODES = [("a" * 56, "10.0.0.11"), ("b" * 56, "10.0.0.12")]

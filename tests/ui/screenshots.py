@@ -14,9 +14,9 @@ from pathlib import Path
 
 import httpx
 
-from service.db import make_engine
-from service.migrate import upgrade
-from service.models import EndReason, JobState
+from service.store.db import make_engine
+from service.store.migrate import upgrade
+from service.store.models import EndReason, JobState
 from tests.live_api import LiveApi, live_api
 from tests.ui import data
 from tests.ui.browser import VIEWPORT, chromium

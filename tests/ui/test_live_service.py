@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.ray_local import LocalHead, free_port
+from service.backends.ray_local import LocalHead, free_port
 from tests.service.conftest import Service, service_env, stop_leftover_ray_jobs
 from tests.service.test_e2e_serve import NEVER
 from tests.ui.browser import STATE_RECORDER, watch

@@ -16,8 +16,8 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from api.routes.ui import CSP, STATIC
-from service.host_files import HostFiles
-from service.models import EndReason, JobState, NodeFault
+from service.dispatch.host_files import HostFiles
+from service.store.models import EndReason, JobState, NodeFault
 from tests.live_api import live_api
 from tests.ui import data
 from tests.ui.browser import STATE_RECORDER, Watched, watch
@@ -302,7 +302,7 @@ def test_cluster_view(sqlite_db: Engine, tmp_path: Path, context: Any) -> None:
 def test_the_started_line_names_the_page() -> None:
     """`shunter serve` / `shunter api` print this once up (the slow test reads it from a real `shunter serve`)."""
     from api.launchers import where
-    from service.settings import Settings
+    from service.config.settings import Settings
 
     line = where(Settings(host="127.0.0.1", port=8080), "http://127.0.0.1:8265")
     assert (

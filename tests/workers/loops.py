@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from service.strategy import StrategySpec
+from service.spec.strategy import StrategySpec
 from workers.checkpoint import full_state_dict
 from workers.strategies import prepare, seed_everything, world
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.strategy import StrategySpec
+from service.spec.strategy import StrategySpec
 from workers import checkpoint, manifest
 from workers.strategies.common import Prepared
 
@@ -74,7 +74,8 @@ def test_an_old_pickled_rng_file_is_never_unpickled(tmp_path: Path, caplog: pyte
 def test_the_manifest_names_the_attempt_that_wrote_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: str | None, sealed: int | None
 ) -> None:
-    """How a checkpoint whose report was lost is later listed as its writer's (`service.progress.record_restore`)."""
+    """How a checkpoint whose report was lost is later listed as its writer's
+    (`service.lifecycle.reports.record_restore`)."""
     if env is None:
         monkeypatch.delenv("SHUNTER_ATTEMPT", raising=False)
     else:

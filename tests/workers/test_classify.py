@@ -12,7 +12,7 @@ from ray.train.v2._internal.exceptions import (
 from ray.train.v2.api.exceptions import PreemptionError
 from ray.train.v2.api.preemption import PreemptionInfo
 
-from service.models import EndReason
+from service.store.models import EndReason
 from workers.driver import classify_failure
 from workers.script import ScriptKilledError
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from sqlmodel import Session, col, select
 
-from service.db import make_engine
-from service.migrate import upgrade
-from service.models import Attempt, Checkpoint, EndReason, Job, JobState, utcnow
-from service.spec import JobSpec
+from service.spec.job import JobSpec
+from service.store.db import make_engine
+from service.store.migrate import upgrade
+from service.store.models import Attempt, Checkpoint, EndReason, Job, JobState, utcnow
 from tests.live_api import add_attempt, live_api
 from workers.checkpoint import verify
-from workers.entrypoint import train_loop_for
+from workers.train_loop import train_loop_for
 
 
 @pytest.mark.slow

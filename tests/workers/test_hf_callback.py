@@ -16,9 +16,9 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from service.db import make_engine
-from service.migrate import upgrade
-from service.models import Job, JobState, Metric
+from service.store.db import make_engine
+from service.store.migrate import upgrade
+from service.store.models import Job, JobState, Metric
 from tests.live_api import add_attempt, live_api
 from workers.script_progress import (
     ENV_SCRIPT_CONTROL,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from service.ray_start import LAUNCHER
+from service.backends.ray_start import LAUNCHER
 from workers import launch_worker
 
 WORKER = ["/ray/_private/workers/default_worker.py", "--node-ip-address=127.0.0.1", "--arg=with space", "it's"]

@@ -18,7 +18,8 @@ from tests.conftest import wait_for
 from tests.s3_server import S3Server, s3_fixture, s3_server_fixture  # noqa: F401 - fixtures `s3`, `s3_server`
 from workers import manifest
 from workers.manifest import MANIFEST
-from workers.outputs import PARTS, QUIET_SECONDS, TMP_MARK, OutputSync, latest_checkpoint, restore, step_of, storage_of
+from workers.output_sync import OutputSync
+from workers.outputs import PARTS, QUIET_SECONDS, TMP_MARK, latest_checkpoint, restore, step_of, storage_of
 
 
 def write(path: Path, data: bytes | str) -> Path:

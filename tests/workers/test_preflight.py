@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from service.preflight import PreflightReport, summary
+from service.lifecycle.preflight_results import PreflightReport, summary
 
 TIMEOUT = 3.0
 

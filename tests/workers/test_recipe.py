@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from service.spec import JobSpec
-from workers.entrypoint import train_loop_for
+from service.spec.job import JobSpec
+from workers.train_loop import train_loop_for
 
 # DDP's run of the recipe is tests/service/test_strategies_e2e.py's, through the service (the same steps and checks).
 # ZeRO-3's is the GPU tier's `zero3_reference_cpu` case (tests/gpu/test_tier.py, in the slow tier on CPU): the guide's

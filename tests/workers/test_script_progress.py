@@ -14,9 +14,9 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from service import attempt_tokens
-from service.models import Job, JobState, Metric
-from service.ray_local import free_port
+from service.backends.ray_local import free_port
+from service.store.models import Job, JobState, Metric
+from service.tenancy import attempt_tokens
 from tests.conftest import wait_for
 from tests.live_api import add_attempt, live_api
 from tests.service import conftest as service_fixtures

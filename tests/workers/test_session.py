@@ -79,7 +79,7 @@ def test_without_the_variable_the_session_is_ray_trains(monkeypatch: pytest.Monk
 
 
 def test_an_fp16_overflow_step_is_skipped_counted_and_leaves_the_schedule_alone() -> None:
-    from service.strategy import StrategySpec
+    from service.spec.strategy import StrategySpec
     from workers.strategies.common import Prepared
 
     torch.manual_seed(0)

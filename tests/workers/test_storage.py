@@ -305,7 +305,7 @@ def test_torch_trainer_checkpoints_to_s3_and_resumes_from_there(
 def test_serve_job_on_s3_lists_s3_checkpoints_complete_and_pruned(
     s3: tuple[S3Server, str], ray_head: Any, tmp_path: Path
 ) -> None:
-    from service.ray_local import free_port
+    from service.backends.ray_local import free_port
     from tests.service.conftest import Service, service_env, stop_leftover_ray_jobs
 
     server, bucket = s3

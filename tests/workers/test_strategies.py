@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from service.ray_local import LocalHead
+from service.backends.ray_local import LocalHead
 from tests.workers.loops import full_loss, tiny_data
 from workers.checkpoint import MANIFEST, verify
 

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from service.spec import JobSpec
-from service.strategy import MixedPrecision, StrategySpec
+from service.spec.job import JobSpec
+from service.spec.strategy import MixedPrecision, StrategySpec
 from workers.checkpoint import MANIFEST, IncompleteCheckpointError, verify
-from workers.entrypoint import UserCallable, run_loop, train_loop_for
 from workers.script import run_script
 from workers.strategies.deepspeed import build_config
+from workers.train_loop import UserCallable, run_loop, train_loop_for
 
 GUIDE_DS_CONFIG = {  # the reference guide's ds_config.json, minus bf16 (CPU here)
     "zero_optimization": {

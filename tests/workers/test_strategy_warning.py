@@ -12,11 +12,11 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from service.db import make_engine
-from service.migrate import upgrade
-from service.models import EndReason, EventKind, Job, JobEvent, JobState
-from service.progress import record_warning
-from service.spec import JobSpec
+from service.lifecycle.reports import record_warning
+from service.spec.job import JobSpec
+from service.store.db import make_engine
+from service.store.migrate import upgrade
+from service.store.models import EndReason, EventKind, Job, JobEvent, JobState
 from tests.live_api import live_api
 from workers.context import STRATEGY_METRIC
 from workers.driver import run, strategy_to_check

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-# recipe name -> its train loop, as an `entrypoint.callable` (imported on the workers: workers.entrypoint.UserCallable)
+# recipe name -> its train loop, as an `entrypoint.callable` (imported on the workers: workers.train_loop.UserCallable)
 RECIPE_LOOPS = {"causal-lm": "workers.recipes.causal_lm:train_loop"}
 
 

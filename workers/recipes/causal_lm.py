@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
-from service.strategy import StrategySpec
+from service.spec.strategy import StrategySpec
 from workers.checkpoint import full_state_dict
 from workers.context import ENV_STORAGE
 from workers.strategies import current_strategy, prepare, seed_everything, world

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from service.strategy import StrategyKind, StrategySpec
+from service.spec.strategy import StrategyKind, StrategySpec
 from workers.strategies.common import (
     OptimizerFactory,
     Prepared,

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from service.strategy import MixedPrecision, StrategyKind, StrategySpec
+from service.spec.strategy import MixedPrecision, StrategyKind, StrategySpec
 from workers import session
 from workers.ranks import world
 from workers.session import device, local_world_size  # noqa: F401 - the strategies' own names for them

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from service.strategy import AUTO, MixedPrecision, StrategySpec
+from service.spec.strategy import AUTO, MixedPrecision, StrategySpec
 from workers.strategies.common import (
     OptimizerFactory,
     Prepared,

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from service.strategy import MixedPrecision, StrategySpec
+from service.spec.strategy import MixedPrecision, StrategySpec
 from workers.strategies.common import (
     OptimizerFactory,
     Prepared,

@@ -1,0 +1,125 @@
+"""Named queues: their limits (settings, overridden over the API) and what each runs now."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sqlalchemy import func
+from sqlmodel import Session, col, select
+
+from service.config.settings import Settings
+from service.core.errors import InvalidSpec
+from service.policy import fairshare
+from service.policy.quotas import QueueLimit, QueueUsage, Quota, parse_queue_limit
+from service.spec.job import JobSpec
+from service.store.models import ACTIVE_STATES, Job, JobState, QueueConfig, utcnow
+
+DEFAULT_QUEUE = "default"
+
+
+def limits(session: Session, settings: Settings) -> dict[str, QueueLimit]:
+    """Every known queue's limits: `default` always exists; API-set rows override `SHUNTER_QUEUES`."""
+    out: dict[str, QueueLimit] = {DEFAULT_QUEUE: QueueLimit()}
+    for name, conf in settings.queues.items():
+        out[name] = parse_queue_limit(conf, f"SHUNTER_QUEUES.{name}")
+    for row in session.exec(select(QueueConfig)).all():
+        out[row.name] = QueueLimit(
+            max_running=row.max_running, max_cpus=row.max_cpus, max_gpus=row.max_gpus, preemption=row.preemption,
+            owner_quota=Quota.parse(row.owner_quota, "owner_quota") if row.owner_quota else None,
+            team_quota=Quota.parse(row.team_quota, "team_quota") if row.team_quota else None,
+            cohort=row.cohort, borrowing_limit=dict(row.borrowing_limit or {}),
+        )  # fmt: skip
+    return out
+
+
+def usage(session: Session, totals: Callable[[Job], dict[str, float]] | None = None) -> dict[str, QueueUsage]:
+    """What each queue's admitted jobs hold now (`totals` may supply cached per-job resources)."""
+    return usage_of(session.exec(select(Job).where(col(Job.state).in_(ACTIVE_STATES))).all(), totals)
+
+
+def usage_of(admitted: Iterable[Job], totals: Callable[[Job], dict[str, float]] | None = None) -> dict[str, QueueUsage]:
+    """What each queue's admitted (active) jobs among `admitted` hold."""
+    out: dict[str, QueueUsage] = {}
+    for job in admitted:
+        out.setdefault(job.queue, QueueUsage()).add(totals(job) if totals else _total(job))
+    return out
+
+
+def _total(job: Job) -> dict[str, float]:
+    try:
+        return JobSpec.model_validate(job.spec).resources.total(job.world_size)  # as admitted
+    except ValueError:  # a stored spec that no longer validates holds nothing; the dispatcher ends that job
+        return {}
+
+
+def check_known(session: Session, settings: Settings, name: str) -> None:
+    if name == DEFAULT_QUEUE or name in settings.queues or session.get(QueueConfig, name) is not None:
+        return  # (the queue of nearly every submission: checked without reading every queue's row)
+    if name not in limits(session, settings):
+        known = ", ".join(sorted(limits(session, settings)))
+        raise InvalidSpec(f"queue: no queue named {name!r}; known: {known}", field="queue")
+
+
+@dataclass
+class QueueView:
+    name: str
+    limits: dict[str, Any]
+    running: int
+    queued: int
+    cpus_in_use: float
+    gpus_in_use: float
+    owners: list[dict[str, Any]] = field(default_factory=list)
+
+
+def overview(session: Session, settings: Settings) -> list[QueueView]:
+    """Every queue with its limits and use, and per owner in it: running, queued, held, and fair-share usage."""
+    from service.store import standing  # standing reads attempts; queues stays importable by it
+
+    active = session.exec(select(Job).where(col(Job.state).in_(ACTIVE_STATES))).all()
+    held = standing.held(active, _total)
+    queued: dict[tuple[str, str, str | None], int] = {}
+    rows = session.exec(
+        select(Job.queue, Job.owner, Job.team, func.count()).where(Job.state == JobState.QUEUED)
+        .group_by(col(Job.queue), col(Job.owner), col(Job.team))
+    ).all()  # fmt: skip
+    for queue, owner, team, n in rows:
+        queued[(queue, owner, team)] = n
+    fair = settings.fair_share_config()
+    # Owners who ran in a queue within fair share's horizon are listed with it too (their usage still counts).
+    teams = standing.recent_owners(session, fair, utcnow())
+    teams |= {(j.queue, j.owner): j.team for j in active} | {(q, o): t for q, o, t in queued}
+    shares = fairshare.shares(standing.fair_usage(session, fair, utcnow()), fair)
+    views = []
+    for name, limit in sorted(limits(session, settings).items()):
+        u = held.get(("queue", name), QueueUsage())
+        owners = []
+        for (queue, owner), team in sorted(teams.items()):
+            if queue != name:
+                continue
+            mine = held.get(("queue-owner", name, owner), QueueUsage())
+            share = shares.get(owner, {"usage": 0.0, "share": 0.0, "weight": fair.owner_weight(owner)})
+            waits = queued.get((name, owner, team), 0)
+            owners.append({"owner": owner, "team": team, "running": mine.running, "cpus_in_use": mine.cpus,
+                           "gpus_in_use": mine.gpus, "queued": waits, **share})  # fmt: skip
+        waiting = sum(n for (q, _, _), n in queued.items() if q == name)
+        views.append(QueueView(name, _limits_dict(limit), u.running, waiting, u.cpus, u.gpus, owners))
+    return views
+
+
+def _limits_dict(limit: QueueLimit) -> dict[str, Any]:
+    out = asdict(limit)
+    out["borrowing_limit"] = out["borrowing_limit"] or None
+    return out
+
+
+def put(session: Session, name: str, limit: QueueLimit) -> QueueConfig:
+    row = session.get(QueueConfig, name) or QueueConfig(name=name)
+    row.max_running, row.max_cpus, row.max_gpus = limit.max_running, limit.max_cpus, limit.max_gpus
+    row.preemption, row.updated_at = limit.preemption, utcnow()
+    row.owner_quota = limit.owner_quota.as_dict() if limit.owner_quota else None
+    row.team_quota = limit.team_quota.as_dict() if limit.team_quota else None
+    row.cohort, row.borrowing_limit = limit.cohort, dict(limit.borrowing_limit) or None
+    session.add(row)
+    return row
