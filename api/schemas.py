@@ -181,6 +181,16 @@ class ClusterPublic(BaseModel):
     # Which node holds which worker is not recorded yet: running jobs are listed for the whole cluster.
     jobs: list[ClusterJob]
     excluded_nodes: list[ExcludedNode] = Field(default_factory=list, description="kept out of every admission")
+    scale_request: ScaleRequest | None = Field(None, description="room asked of the cluster's autoscaler, if any")
+
+
+class ScaleRequest(BaseModel):
+    """What a dispatcher last asked the cluster's autoscaler for (`SHUNTER_CLUSTER_MAY_GROW`): the bundles of the
+    running groups and of the `jobs` waiting jobs it asks room for (Ray's autoscaler counts the cluster's total)."""
+
+    bundles: list[dict[str, float]]
+    jobs: int
+    asked_at: datetime | None = None
 
 
 class ExcludedNode(BaseModel):

@@ -154,7 +154,7 @@ LONG_SLOW = ("multinode", "tests/service/test_faults.py", "tests/service/test_sc
              "tests/service/test_e2e_serve.py", "tests/security/test_separate_user.py",
              "tests/ui/test_live_service.py", "tests/service/test_fair_share_ray.py",
              "tests/service/test_stall_e2e.py", "tests/gpu/test_tier.py", "tests/service/test_notify_e2e.py",
-             "tests/workers/test_driver_contract.py")  # fmt: skip
+             "tests/workers/test_driver_contract.py", "tests/service/test_autoscaling.py")  # fmt: skip
 
 
 def lane_rank(group: str) -> int:

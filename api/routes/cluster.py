@@ -50,6 +50,7 @@ def cluster(session: SessionDep, caller: CallerDep, settings: SettingsDep) -> Cl
         available=snap.available,
         jobs=running,
         excluded_nodes=excluded,
+        scale_request=snap.scale_request,
     )
 
 

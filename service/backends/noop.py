@@ -35,6 +35,7 @@ class NoopJobs:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cpus = cpus
         self.run_seconds = run_seconds  # how long a job stays RUNNING after its submission (0: it ends at once)
+        self.requested: list[dict[str, float]] | None = None  # the last request for room (request_resources)
 
     def close(self) -> None:
         pass
@@ -103,6 +104,10 @@ class NoopJobs:
     def list_submission_ids(self, prefix: str = SUBMISSION_PREFIX) -> list[str]:
         marks = (STOPPED, FAILED)
         return sorted(p.name for p in self.dir.iterdir() if p.name.startswith(prefix) and not p.name.endswith(marks))
+
+    def request_resources(self, bundles: list[dict[str, float]]) -> None:
+        """Kept, not acted on: the noop cluster never grows (it has room for everything)."""
+        self.requested = [dict(b) for b in bundles]
 
     def cluster(self) -> ClusterView:
         total = {"CPU": self.cpus, "GPU": 0.0, "memory": 1e15}

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from service.backends import ray_autoscaler
 from service.backends.driver_logs import DriverLogs
 from service.core.backend import SUBMISSION_PREFIX, ClusterView, LogPiece, NodeView, RayJobInfo
 from service.core.errors import InfraError
@@ -229,6 +230,13 @@ class RayJobs:
 
             self._sdk = JobSubmissionClient(self.dashboard_url)
         return self._sdk
+
+    def request_resources(self, bundles: list[dict[str, float]]) -> None:
+        """Ask Ray's autoscaler for room for `bundles`, replacing the last request ([]: withdrawn)."""
+        if not self.gcs_address:
+            raise InfraError("no GCS address is known: Ray's autoscaler cannot be asked for room")
+        self._cluster_from_gcs()  # the client, (re)made as cluster reads make it
+        ray_autoscaler.request_resources(self._gcs, self.gcs_address, bundles)
 
     def _cluster_from_gcs(self) -> ClusterView:
         from ray._raylet import GcsClient

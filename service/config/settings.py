@@ -10,16 +10,25 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, StrictFloat, StrictInt, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.config.tokens import TokenInfo
+from service.core.numbers import StrictModel
+from service.policy.demand import NodeType
 from service.policy.exclusion import Rules
 from service.policy.fairshare import FairShare
 from service.policy.quotas import Quotas, parse_queue_limit
 from service.policy.stall import StallPolicy
 from service.spec.job import MAX_SPEC_DEPTH, QUEUE_NAME
 from service.spec.notify import ClusterWebhook
+
+
+class NodeTypeConfig(StrictModel):
+    """One node type of `SHUNTER_NODE_TYPES`: what each node holds (Ray's resources) and at most how many."""
+
+    resources: dict[str, StrictFloat | StrictInt] = Field(min_length=1)
+    max: int = Field(ge=0, le=100_000)
 
 
 class Settings(BaseSettings):
@@ -54,8 +63,20 @@ class Settings(BaseSettings):
     fair_share: dict[str, Any] = Field(default_factory=dict)
     # A queued job blocked this long stops backfill behind it, so smaller jobs cannot starve it.
     reserve_after_seconds: float = Field(300.0, ge=0)
-    # With an autoscaler, a job too big for today's cluster is held with a reason instead of refused.
+    # With an autoscaler, a job too big for today's cluster is held with a reason instead of refused, and the
+    # dispatcher asks the autoscaler for the groups of the jobs that would start next (service/policy/demand.py).
     cluster_may_grow: bool = False
+    # The node types the autoscaler can add (KubeRay worker groups, the launcher's available_node_types), e.g.
+    # {"t4": {"resources": {"CPU": 4, "GPU": 1, "accelerator_type:T4": 1}, "max": 2}}: a job that none of them could
+    # hold, even at their max counts, is refused at submission (422) instead of waiting.
+    node_types: dict[str, NodeTypeConfig] = Field(default_factory=dict)
+    # How many waiting jobs (in admission order) the autoscaler is asked room for at once.
+    scale_max_pending_jobs: int = Field(8, ge=0, le=10_000)
+    # Without node_types, a job whose room was asked for and has not come within this many seconds fails (user_error,
+    # with its reason): nothing says whether any node could ever hold it. 0: it waits for ever.
+    scale_up_timeout_seconds: float = Field(3600.0, ge=0)
+    # A high-priority job whose room the autoscaler is asked for preempts no one for this long: the room may come.
+    scale_up_grace_seconds: float = Field(120.0, ge=0)
     preemption_grace_seconds: float = Field(60.0, ge=0)
     # A running elastic job grows toward its max (a checkpoint-restart, see service/policy/growth.py) once its attempt
     # has run this long, when room is free and no job of equal or higher priority waits. The gain must be at least this
@@ -183,7 +204,7 @@ class Settings(BaseSettings):
     webhook_concurrency: int = Field(8, ge=1, le=64, description="deliveries in flight at once per process")
     webhook_poll_seconds: float = Field(0.5, gt=0)
 
-    @field_validator("job_env", "queues", "api_tokens", "quotas", "fair_share", mode="before")
+    @field_validator("job_env", "queues", "api_tokens", "quotas", "fair_share", "node_types", mode="before")
     @classmethod
     def _json_mappings(cls, value: Any, info: ValidationInfo) -> Any:
         """These settings are JSON objects in the environment; an empty value means none."""
@@ -231,6 +252,9 @@ class Settings(BaseSettings):
 
     def fair_share_config(self) -> FairShare:
         return FairShare.parse(self.fair_share)
+
+    def node_type_list(self) -> list[NodeType]:
+        return [NodeType(name, dict(t.resources), t.max) for name, t in sorted(self.node_types.items())]
 
     @field_validator("webhook_secret", mode="before")
     @classmethod

@@ -80,3 +80,4 @@ class EventKind(str, Enum):
     STALL = "stall"  # no progress for stall_timeout_seconds: every rank's stack dumped, then the attempt stopped
     NODE = "node"  # a node kept out of the job's next attempt (or of everyone's admissions), or let back in
     DEPENDENCY = "dependency"  # a job of its depends_on met its condition (service.workflows.dependencies)
+    SCALE = "scale"  # room asked of the cluster's autoscaler for it, or arrived (service.dispatch.scaling)

@@ -18,9 +18,10 @@ from sqlmodel import Session, col, select
 from service.config.settings import Settings
 from service.core import resources
 from service.core.backend import ClusterView, submission_id
+from service.dispatch.scaling import Scaling
 from service.lifecycle import leases, node_faults, queues
 from service.lifecycle.state import Move, record_event, transition, transition_many
-from service.policy import fairshare, growth, quotas, scheduler
+from service.policy import demand, fairshare, growth, quotas, scheduler
 from service.spec.job import JobSpec
 from service.store import standing
 from service.store.db import session_scope
@@ -41,13 +42,17 @@ def admit(
     resources_of: Callable[[Job], dict[str, float]],
     now: datetime | None = None,
     attempts: dict[str, Attempt] | None = None,
+    scaling: Scaling | None = None,
 ) -> tuple[list[Job], list[Job]]:
     """Start every queued job whose whole worker group fits, in priority/FIFO order, within queue limits; returns
     (the jobs admitted, the running jobs now asked to yield). A queued job whose stored spec does not validate ends
     FAILED (user error) here instead of holding up the queue. `now`: the pass's time (default: the clock's).
     `attempts`, when given, receives each admitted job's new attempt row (job id -> Attempt, detached): what the
-    dispatcher submits without reading it back."""
+    dispatcher submits without reading it back. `scaling`, when given, is told what the jobs waiting for room need
+    (`service.dispatch.scaling`: sent to the autoscaler after the pass), and their reasons say when it was asked."""
     now = now or utcnow()
+    if scaling is not None:
+        scaling.clear()
     started: list[Job] = []
     victims: list[Job] = []
     # Under the admission lock every round trip is paid by every dispatcher: without autoflush the loop's event and
@@ -112,7 +117,10 @@ def admit(
                                          held=res.total(size), world_size=size, message=said,
                                          excluded=kept[job_id], why=kept_why.get(job_id)))  # fmt: skip
         started = _write_starts(session, starts, owner=owner, now=now, attempts=attempts)
+        if scaling is not None and scaling.enabled:
+            scaling.plan(ordered, decision.waiting, _running(active, spec_of))
         for job_id, why in decision.waiting.items():
+            why = scaling.reason(job_id, why) if scaling is not None else why
             if by_id[job_id].state_reason != why:
                 leases.set_reason(session, job_id, why)
         running = [
@@ -125,6 +133,8 @@ def admit(
         why = "to take back the quota its queue lent"
         if not served:
             chosen = scheduler.preemption(decision, candidates, running, free, limits=limits)
+            if chosen is not None and scaling is not None and not scaling.may_preempt(chosen[0].job_id, now):
+                chosen = None  # the autoscaler may bring its room within the grace: no one is stopped for it yet
             served = [chosen] if chosen is not None else []
             why = ""
         by_active = {j.id: j for j in active}
@@ -145,6 +155,17 @@ def admit(
                              message=f"making room for {whom} ({why or f'priority {blocked.priority}'})")  # fmt: skip
                 victims.append(victim)
     return started, victims
+
+
+def _running(active: list[Job], spec_of: SpecOf) -> list[demand.Running]:
+    """The admitted jobs' worker groups, as the autoscaler must count them (it ignores what is in use)."""
+    out = []
+    for job in active:
+        spec, _ = spec_of(job)
+        if spec is not None:
+            res = spec.resources
+            out.append(demand.Running(job.id, res.per_worker(), res.workers(job.world_size), res.placement.value))
+    return out
 
 
 def _may_grow(session: Session, settings: Settings, spec_of: SpecOf) -> bool:

@@ -33,6 +33,7 @@ from service.dispatch.host_effects import HostEffects
 from service.dispatch.host_files import HostFiles
 from service.dispatch.late_logs import LateLogs
 from service.dispatch.nodes import NodeHistory
+from service.dispatch.scaling import Scaling
 from service.dispatch.stall_watch import StallWatch
 from service.dispatch.timings import DISPATCHER_TICK_SECONDS
 from service.lifecycle import leases
@@ -80,6 +81,7 @@ class Dispatcher(Finishing, HostEffects):
         self._pool = ThreadPoolExecutor(max_workers=settings.dispatcher_threads, thread_name_prefix="reconcile")
         self.last_tick_seconds = 0.0
         self.chores = Chores(engine=engine, settings=settings, ray=ray)  # cluster-wide housekeeping, now and then
+        self.scaling = Scaling(engine=engine, settings=settings, ray=ray, owner=owner)  # asks a growing cluster
         self._dead_nodes: dict[str, bool] = {}  # from the last cluster read (service.policy.reconcile.decide)
         self.nodes = NodeHistory()  # which nodes went draining or dead, and when (bears out node_draining ends)
         self.late = LateLogs(engine=engine, ray=ray, files=self.files, owner=owner,
@@ -206,6 +208,7 @@ class Dispatcher(Finishing, HostEffects):
             snap.nodes = [{"node_id": n.node_id, "address": n.address, "alive": n.alive, "total": n.total,
                            "available": n.available} for n in cluster.nodes]  # fmt: skip
             snap.total, snap.available, snap.taken_at = cluster.total, cluster.available, utcnow()
+            snap.scale_request = self.scaling.view()
             session.add(snap)
 
     # ---- admission ------------------------------------------------------------------------------------------
@@ -214,8 +217,9 @@ class Dispatcher(Finishing, HostEffects):
         attempts: dict[str, Attempt] = {}
         started, victims = admission.admit(
             self.engine, self.settings, cluster, owner=self.owner, spec_of=self.spec_of, resources_of=self.resources_of,
-            attempts=attempts,
+            attempts=attempts, scaling=self.scaling,
         )  # fmt: skip
+        self.scaling.send(started)  # the autoscaler's request, when it changed (outside the pass's transaction)
         for victim in victims:
             self._host_effect(victim, "preemption notice", self._write_notice, victim)
         # Submit at once rather than on the next tick, overlapped; the accepted submissions recorded in one go.

@@ -18,6 +18,7 @@ from service.config.settings import Settings
 from service.core import resources
 from service.core.errors import Conflict, InvalidSpec, NotFound, StaleWrite
 from service.lifecycle.state import record_event, transition
+from service.policy import demand
 from service.spec.job import JobSpec
 from service.store import signals, spec_budget
 from service.store.db import base_engine
@@ -155,6 +156,8 @@ def submit(
     except InvalidSpec as exc:
         if settings is None or not settings.cluster_may_grow:
             raise
+        if settings.node_types:  # what no node type can hold is refused, not kept waiting for ever
+            demand.check_node_types(spec.resources, settings.node_type_list())
         reason = f"held until the cluster grows: {exc.detail}"
     size = stored_size(dumped)
     if settings is not None:  # what the spec asks is valid (422s first); now what it would hold and use
@@ -172,6 +175,7 @@ def submit(
         idempotency_key=idempotency_key,
         spec_hash=digest,
         state_reason=reason,
+        warnings=[w] if (w := demand.accelerator_warning(spec.resources)) else None,
     )
     one_statement = written_at_once and not spec.depends_on and session.get_bind().dialect.name == "postgresql"
     if not one_statement:

@@ -161,6 +161,12 @@ class Placement(str, Enum):
 
 
 MAX_WORKERS = 4096
+# An accelerator type as Ray names it (`ray.util.accelerators`: "H100", "A10G", "TPU-V5P"); a node of that type
+# carries the resource `accelerator_type:<name>` (1), and a worker asks for a sliver of it, as Ray Train's
+# `ScalingConfig(accelerator_type=...)` does.
+ACCELERATOR_TYPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+ACCELERATOR_RESOURCE = "accelerator_type:"
+ACCELERATOR_SHARE = 0.001
 
 
 class WorkerRange(StrictModel):
@@ -181,6 +187,17 @@ class Resources(StrictModel):
     use_gpu: StrictBool = False
     resources_per_worker: dict[str, float | int | str] = Field(default_factory=dict)
     placement: Placement = Placement.pack
+    accelerator_type: str | None = Field(
+        None, description='the accelerator type every worker runs on ("H100", "A10G"; a CPU node type may carry one '
+        "too); the same as the raw resource accelerator_type:<X> in resources_per_worker",
+    )  # fmt: skip
+
+    @field_validator("accelerator_type")
+    @classmethod
+    def _accelerator(cls, value: str | None) -> str | None:
+        if value is not None and not ACCELERATOR_TYPE.fullmatch(value):
+            raise ValueError("1-64 letters, digits, '_', '.' or '-', starting with a letter or digit (Ray's names)")
+        return value
 
     @field_validator("num_workers", mode="wrap")
     @classmethod
@@ -221,6 +238,9 @@ class Resources(StrictModel):
             out["GPU"] = 1.0
         for key, amount in self.resources_per_worker.items():
             out[key] = float(parse_memory(amount)) if key == "memory" else float(amount)
+        if self.accelerator_type is not None:
+            key = ACCELERATOR_RESOURCE + self.accelerator_type
+            out[key] = max(out.get(key, 0.0), ACCELERATOR_SHARE)
         return {k: v for k, v in out.items() if v > 0}
 
     @property

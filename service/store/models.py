@@ -264,6 +264,8 @@ class ClusterSnapshot(SQLModel, table=True):
     total: dict[str, float] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     available: dict[str, float] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     taken_at: datetime = Field(default_factory=utcnow, sa_column=_tz())
+    # The room last asked of the cluster's autoscaler ({bundles, jobs, asked_at}; service.dispatch.scaling), or null.
+    scale_request: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
 
 
 class QueueConfig(SQLModel, table=True):

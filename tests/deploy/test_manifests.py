@@ -192,15 +192,56 @@ def test_kuberay_raycluster_head_and_gpu_workers() -> None:
     assert {6379, 8265} <= ports
     assert {"name": "RAY_JOB_STOP_SIGNAL", "value": "SIGINT"} in head_container["env"]
 
-    (gpu,) = cluster["spec"]["workerGroupSpecs"]
-    assert gpu["replicas"] >= 1 and gpu["maxReplicas"] >= gpu["replicas"]
+    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    assert set(groups) == {"gpu-a100", "cpu"}
+    gpu = groups["gpu-a100"]
     (worker,) = gpu["template"]["spec"]["containers"]
     assert worker["image"] == head_container["image"], "Ray nodes must share Python and Ray versions"
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == "1"
     env = {e["name"]: e["value"] for e in worker["env"]}
     assert {"NCCL_DEBUG", "NCCL_IB_DISABLE", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"} <= set(env)
-    mounts = {m["mountPath"] for m in worker["volumeMounts"]}
-    assert "/shared/checkpoints" in mounts and "/dev/shm" in mounts
+    for group in groups.values():
+        (container,) = group["template"]["spec"]["containers"]
+        assert container["image"] == head_container["image"]
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert "/shared/checkpoints" in mounts and "/dev/shm" in mounts
+        assert group["minReplicas"] == 0 and group["maxReplicas"] >= 1, "groups start from zero and grow"
+
+
+def _group_holds(group: dict[str, Any]) -> dict[str, float]:
+    """What the autoscaler reads that one pod of a worker group holds: CPUs and GPUs from the container's limits, other
+    resources from rayStartParams.resources."""
+    import json
+
+    (container,) = group["template"]["spec"]["containers"]
+    limits = container["resources"]["limits"]
+    holds = {"CPU": float(limits["cpu"])}
+    if "nvidia.com/gpu" in limits:
+        holds["GPU"] = float(limits["nvidia.com/gpu"])
+    custom = group["rayStartParams"].get("resources")
+    if custom:
+        holds.update(json.loads(json.loads(custom)))  # a JSON object inside a quoted string, as KubeRay passes it
+    return holds
+
+
+def test_kuberay_autoscaler_and_shunters_node_types_agree() -> None:
+    """The in-tree autoscaler is on, and SHUNTER_NODE_TYPES names each worker group with what one pod holds and its
+    maxReplicas (docs/operations.md: a type out of step refuses its jobs, or keeps them waiting for ever)."""
+    import json
+
+    docs = _kube()
+    cluster = docs[("RayCluster", "shunter-ray")]["spec"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    assert cluster["autoscalerOptions"]["idleTimeoutSeconds"] > 0
+    config = docs[("ConfigMap", "shunter-config")]["data"]
+    assert config["SHUNTER_CLUSTER_MAY_GROW"] == "true"
+    declared = json.loads(config["SHUNTER_NODE_TYPES"])
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    assert set(declared) == set(groups)
+    for name, group in groups.items():
+        assert declared[name]["max"] == group["maxReplicas"], name
+        assert declared[name]["resources"] == _group_holds(group), name
+    Settings(node_types=declared)  # and the service parses them
 
 
 def test_kuberay_api_and_dispatcher_deployments() -> None:
@@ -277,17 +318,20 @@ def test_kuberay_gcs_fault_tolerance_overlay() -> None:
     assert ("Service", "shunter-redis") in rendered
     assert rendered[("Service", "shunter-redis")]["spec"]["ports"][0]["port"] == 6379
     # Everything of the base's worker group is still there, plus the reconnect timeout.
-    (base_group,) = base[("RayCluster", "shunter-ray")]["spec"]["workerGroupSpecs"]
-    (group,) = cluster["workerGroupSpecs"]
-    (base_container,) = base_group["template"]["spec"]["containers"]
-    (container,) = group["template"]["spec"]["containers"]
-    assert {k: v for k, v in container.items() if k != "env"} == {k: v for k, v in base_container.items() if k != "env"}
-    assert {k: v for k, v in group.items() if k != "template"} == {
-        k: v for k, v in base_group.items() if k != "template"
-    }
-    env = {e["name"]: e["value"] for e in container["env"]}
-    assert {e["name"]: e["value"] for e in base_container["env"]}.items() <= env.items()
-    assert int(env["RAY_gcs_rpc_server_reconnect_timeout_s"]) >= 60
+    base_groups = base[("RayCluster", "shunter-ray")]["spec"]["workerGroupSpecs"]
+    assert len(cluster["workerGroupSpecs"]) == len(base_groups)
+    for base_group, group in zip(base_groups, cluster["workerGroupSpecs"], strict=True):
+        (base_container,) = base_group["template"]["spec"]["containers"]
+        (container,) = group["template"]["spec"]["containers"]
+        assert {k: v for k, v in container.items() if k != "env"} == {
+            k: v for k, v in base_container.items() if k != "env"
+        }
+        assert {k: v for k, v in group.items() if k != "template"} == {
+            k: v for k, v in base_group.items() if k != "template"
+        }
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert {e["name"]: e["value"] for e in base_container["env"]}.items() <= env.items()
+        assert int(env["RAY_gcs_rpc_server_reconnect_timeout_s"]) >= 60, group["groupName"]
     config = rendered[("ConfigMap", "shunter-config")]["data"]
     assert config["SHUNTER_RAY_DRIVERS_OFF_HEAD"] == "true"
     assert set(config) - {"SHUNTER_RAY_DRIVERS_OFF_HEAD"} == set(base[("ConfigMap", "shunter-config")]["data"])
