@@ -13,6 +13,10 @@ cohorts, backfill and preemption, run from now on over what this module reads:
   jobs that succeeded lately ran against their timeouts (the median of the last `RATIO_SAMPLES`; everyone's when the
   owner has fewer than `MIN_RATIO_SAMPLES`; 1 with no history). A job without a timeout holds its resources with no
   end known, so jobs behind it that need them get no estimate: None, never a made-up time;
+- on a cluster that may grow, a job whose room was asked of the autoscaler (its `scale_requested` event) starts
+  by the time new nodes took to come lately (`scale_up_seconds`: the median, over the last `SCALE_SAMPLES` jobs,
+  from `scale_requested` to `capacity_arrived`) after it was asked, or earlier where the replay frees room sooner;
+  with no such history, by the replay alone;
 - each owner who submitted in the last `ARRIVAL_WINDOW_SECONDS` goes on submitting at that rate, jobs like its
   latest ones: with fair share a job submitted later by an owner who used less goes ahead of one waiting now, and a
   replay of the queue alone would be early whenever owners keep submitting (measured: most of its misses were).
@@ -38,7 +42,7 @@ from service.policy import fairshare, forecast
 from service.spec.job import JobSpec
 from service.store import standing
 from service.store.db import base_engine
-from service.store.models import ACTIVE_STATES, Attempt, ClusterSnapshot, EndReason, Job, JobState, utcnow
+from service.store.models import ACTIVE_STATES, Attempt, ClusterSnapshot, EndReason, Job, JobEvent, JobState, utcnow
 from service.store.spec_cache import SpecCache, stored_size
 
 log = logging.getLogger(__name__)
@@ -52,6 +56,7 @@ ARRIVAL_TEMPLATES = 8  # an owner's projected jobs are like its latest this many
 RATIO_SAMPLES = 50  # succeeded attempts an owner's run ratio is read from
 MIN_RATIO_SAMPLES = 3
 RATIO_HISTORY_SECONDS = 7 * 24 * 3600.0
+SCALE_SAMPLES = 20  # jobs whose room came lately: how long new nodes take is read from them
 
 
 @dataclass(frozen=True)
@@ -208,14 +213,44 @@ def _compute(session: Session, settings: Settings, now: datetime) -> dict[str, S
     )  # fmt: skip
     starts = forecast.forecast(waiters, running, _nodes(session), now.timestamp(), usage=usage, policy=policy,
                                arrivals=arrivals(session, now, ratio))  # fmt: skip
+    asked, took = scale_up_seconds(session, [c.job_id for c in order]) if settings.cluster_may_grow else ({}, None)
     out: dict[str, Standing] = {}
     in_queue: dict[str, int] = {}
     for place, cand in enumerate(order, start=1):
         in_queue[cand.queue] = in_queue.get(cand.queue, 0) + 1
         start = starts.get(cand.job_id)
+        if took is not None and cand.job_id in asked:  # new nodes, unless the replay frees room sooner
+            grown = max(now.timestamp(), asked[cand.job_id].timestamp() + took)
+            start = grown if start is None else min(start, grown)
         when = datetime.fromtimestamp(start, tz=timezone.utc) if start is not None else None
         out[cand.job_id] = Standing(in_queue[cand.queue], place, when)
     return out
+
+
+def scale_up_seconds(session: Session, queued: list[str]) -> tuple[dict[str, datetime], float | None]:
+    """When each of `queued` had its room asked of the autoscaler, and how long new nodes took lately (the median
+    of the last SCALE_SAMPLES `scale_requested` -> `capacity_arrived`; None with no such history)."""
+    asked: dict[str, datetime] = {}
+    for chunk in range(0, len(queued), 1000):
+        rows = session.exec(
+            select(JobEvent.job_id, func.max(JobEvent.at))
+            .where(col(JobEvent.job_id).in_(queued[chunk : chunk + 1000]), JobEvent.reason == "scale_requested")
+            .group_by(col(JobEvent.job_id))
+        ).all()
+        asked.update({job_id: at for job_id, at in rows})
+    arrived = session.exec(
+        select(JobEvent.job_id, JobEvent.at).where(JobEvent.reason == "capacity_arrived")
+        .order_by(col(JobEvent.id).desc()).limit(SCALE_SAMPLES)
+    ).all()  # fmt: skip
+    if not arrived:
+        return asked, None
+    first = dict(session.exec(
+        select(JobEvent.job_id, func.max(JobEvent.at)).where(
+            col(JobEvent.job_id).in_([j for j, _ in arrived]), JobEvent.reason == "scale_requested"
+        ).group_by(col(JobEvent.job_id))
+    ).all())  # fmt: skip
+    took = [(at - first[job_id]).total_seconds() for job_id, at in arrived if job_id in first]
+    return asked, (statistics.median(took) if took else None)
 
 
 def _duration(spec: JobSpec | None, ratio: float) -> float | None:

@@ -354,3 +354,30 @@ def test_an_accelerator_name_ray_does_not_know_is_a_warning_on_the_job_not_a_ref
         assert session.get(Job, known).warnings is None  # type: ignore[union-attr]
         (said,) = session.get(Job, typo).warnings  # type: ignore[union-attr, misc]
         assert "'H1OO' is not one of Ray's accelerator names" in said
+
+
+def test_the_start_estimate_counts_the_time_new_nodes_took_lately(db: Engine, tmp_path: Path) -> None:
+    """A waiting job the current cluster never holds gets no estimate from the replay; asked of the autoscaler, it
+    starts by the median time room took to come for the last jobs, counted from its own ask."""
+    from service import estimate
+    from service.lifecycle.state import record_event
+    from service.store.models import EventKind, utcnow
+
+    settings = _settings(tmp_path)
+    now = utcnow()
+    with Session(db) as session:
+        for took in (10, 20, 300):  # three jobs whose room came after 10, 20 and 300 s: the median is 20
+            old = _submit(db, settings, "bob", 1, at=now)
+            at = now - timedelta(hours=1)
+            record_event(session, old, kind=EventKind.SCALE, reason="scale_requested", attempt=None, at=at)
+            record_event(session, old, kind=EventKind.SCALE, reason="capacity_arrived", attempt=1,
+                         at=at + timedelta(seconds=took))  # fmt: skip
+        session.commit()
+    waiting = _submit(db, settings, "alice", 2, at=now)
+    with Session(db) as session:
+        assert estimate._compute(session, settings, now)[waiting].start is None  # nothing holds it now
+        record_event(session, waiting, kind=EventKind.SCALE, reason="scale_requested", attempt=None,
+                     at=now - timedelta(seconds=5))  # fmt: skip
+        session.commit()
+        got = estimate._compute(session, settings, now)[waiting].start
+    assert got is not None and abs((got - now).total_seconds() - 15) < 0.01  # asked 5 s ago; room takes 20 s

@@ -17,7 +17,7 @@ from sqlmodel import Session
 
 from api.routes.ui import CSP, STATIC
 from service.dispatch.host_files import HostFiles
-from service.store.models import EndReason, JobState, NodeFault
+from service.store.models import ClusterSnapshot, EndReason, JobState, NodeFault
 from tests.live_api import live_api
 from tests.ui import data
 from tests.ui.browser import STATE_RECORDER, Watched, watch
@@ -296,6 +296,18 @@ def test_cluster_view(sqlite_db: Engine, tmp_path: Path, context: Any) -> None:
         w.page.wait_for_selector("#excluded-section:not([hidden])")
         row = w.page.text_content("#excluded-rows") or ""
         assert bad[:12] in row and "3 jobs failed there (preflight_failed)" in row
+        assert w.page.is_hidden("#scale-section")  # nothing asked of an autoscaler (issue 37)
+        with Session(sqlite_db) as session:
+            snap = session.get(ClusterSnapshot, 1)
+            assert snap is not None
+            snap.scale_request = {"bundles": [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}], "jobs": 2,
+                                  "asked_at": "2030-01-01T00:00:00+00:00"}  # fmt: skip
+            session.add(snap)
+            session.commit()
+        w.page.reload()
+        w.page.wait_for_selector("#scale-section:not([hidden])")
+        assert "3 bundles for 2 waiting job(s)" in (w.page.text_content("#scale-summary") or "")
+        assert w.page.eval_on_selector_all("#scale-rows tr", "n => n.length") == 2  # two shapes: 2 x CPU, 1 x CPU+GPU
         assert w.most_streams == 0 and w.csp_violations() == [] and w.errors == []
 
 

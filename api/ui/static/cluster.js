@@ -68,6 +68,19 @@
           S.el("td", { class: "num" }, S.num(q.gpus_in_use, 3)), S.el("td", {}, limits));
       }),
     );
+    // The room a dispatcher asked the cluster's autoscaler for (SHUNTER_CLUSTER_MAY_GROW): the running groups' and
+    // the waiting jobs' bundles, counted by shape.
+    const ask = view.scale_request;
+    S.$("scale-section").hidden = !ask;
+    if (ask) {
+      S.$("scale-summary").textContent = `${ask.bundles.length} bundles for ${ask.jobs} waiting job(s) and the running ones, asked at ${ask.asked_at || "?"}`;
+      const shapes = new Map();
+      for (const b of ask.bundles) {
+        const key = S.resources(b);
+        shapes.set(key, (shapes.get(key) || 0) + 1);
+      }
+      S.fill(S.$("scale-rows"), [...shapes].map(([shape, n]) => S.el("tr", {}, S.el("td", {}, shape), S.el("td", { class: "num" }, String(n)))));
+    }
     S.$("excluded-section").hidden = !view.excluded_nodes.length;
     S.fill(S.$("excluded-rows"), view.excluded_nodes.map((e) =>
       S.el("tr", {}, S.el("td", { class: "mono" }, e.node_id.slice(0, 12)), S.el("td", { class: "wrap" }, e.why), S.el("td", {}, S.time(e.until)))));
