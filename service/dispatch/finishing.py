@@ -39,7 +39,7 @@ class Ending:
     action: Finish
     message: str
     log_uri: str | None
-    decision: retry.Decision
+    decision: retry.RetryDecision
     asked: bool  # a preemption was asked for: its notice is cleared once the end is written
     now: datetime
 
@@ -82,7 +82,7 @@ class Finishing:
     def spec_of(self, job: Job) -> Any:  # the Dispatcher's
         raise NotImplementedError
 
-    def _safely(self, job: Job, fn: Any, *args: Any) -> Any:  # the Dispatcher's fault handling
+    def _safely(self, job: Job, fn: Any, *args: Any, **kwargs: Any) -> Any:  # the Dispatcher's fault handling
         raise NotImplementedError
 
     # ---- submissions ----------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 import sqlmodel
+import sqlmodel.sql.sqltypes
 from alembic import op
 
 revision = "b7e2c4a9d1f6"

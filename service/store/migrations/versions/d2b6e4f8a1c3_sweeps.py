@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 import sqlmodel
+import sqlmodel.sql.sqltypes
 from alembic import op
 
 revision = "d2b6e4f8a1c3"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 import sqlmodel
+import sqlmodel.sql.sqltypes
 from alembic import op
 
 revision = "e3c7f5a9b2d4"

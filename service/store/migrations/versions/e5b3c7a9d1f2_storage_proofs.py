@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 import sqlmodel
+import sqlmodel.sql.sqltypes
 from alembic import op
 
 revision = "e5b3c7a9d1f2"
