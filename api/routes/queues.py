@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Path
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints
 
 from api.deps import CallerDep, SessionDep, SettingsDep
 from api.schemas import ERROR_RESPONSES
@@ -48,6 +48,9 @@ class QueueLimits(NoBoolNumbers):
     team_quota: QuotaBody | None = Field(None, description="caps for each team within this queue")
     cohort: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$", description="lends/borrows idle quota")
     borrowing_limit: BorrowingLimit | None = Field(None, description="most it may borrow from its cohort")
+    accelerator_types: list[Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]] | None = (
+        Field(None, min_length=1, max_length=64, description="its jobs must ask for one of these accelerator types")
+    )
 
     def to_limit(self) -> QueueLimit:
         values = self.model_dump()

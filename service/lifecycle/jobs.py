@@ -150,7 +150,7 @@ def submit(
     if settings is not None:
         from service.lifecycle.queues import check_known
 
-        check_known(session, settings, spec.queue)
+        check_known(session, settings, spec.queue, spec.resources.accelerator_type)
     try:
         check_fits_cluster(spec, cluster_shape(session))
     except InvalidSpec as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -14,6 +15,7 @@ from service.core.errors import InvalidSpec
 from service.policy import fairshare
 from service.policy.quotas import QueueLimit, QueueUsage, Quota, parse_queue_limit
 from service.spec.job import JobSpec
+from service.store.db import base_engine
 from service.store.models import ACTIVE_STATES, Job, JobState, QueueConfig, utcnow
 
 DEFAULT_QUEUE = "default"
@@ -30,6 +32,7 @@ def limits(session: Session, settings: Settings) -> dict[str, QueueLimit]:
             owner_quota=Quota.parse(row.owner_quota, "owner_quota") if row.owner_quota else None,
             team_quota=Quota.parse(row.team_quota, "team_quota") if row.team_quota else None,
             cohort=row.cohort, borrowing_limit=dict(row.borrowing_limit or {}),
+            accelerator_types=list(row.accelerator_types) if row.accelerator_types else None,
         )  # fmt: skip
     return out
 
@@ -54,12 +57,42 @@ def _total(job: Job) -> dict[str, float]:
         return {}
 
 
-def check_known(session: Session, settings: Settings, name: str) -> None:
-    if name == DEFAULT_QUEUE or name in settings.queues or session.get(QueueConfig, name) is not None:
-        return  # (the queue of nearly every submission: checked without reading every queue's row)
-    if name not in limits(session, settings):
+def check_known(session: Session, settings: Settings, name: str, accelerator_type: str | None = None) -> None:
+    """The queue exists (422 naming `queue`), and runs the spec's accelerator type if it is limited to some (422
+    naming `resources.accelerator_type`). The API-set queues are read at most once a second per process (`_api_set`):
+    not on each submission."""
+    api_set = _api_set(session)
+    if name not in api_set and name != DEFAULT_QUEUE and name not in settings.queues:
+        api_set = _api_set(session, fresh=True)  # a queue set over the API just now is known at once
+    if name in api_set:
+        kinds = api_set[name]
+    elif name == DEFAULT_QUEUE or name in settings.queues:
+        kinds = settings.queues.get(name, {}).get("accelerator_types")
+    else:
         known = ", ".join(sorted(limits(session, settings)))
         raise InvalidSpec(f"queue: no queue named {name!r}; known: {known}", field="queue")
+    if kinds and accelerator_type not in kinds:
+        asked = f"asks for {accelerator_type!r}" if accelerator_type else "names no accelerator type"
+        raise InvalidSpec(f"resources.accelerator_type: queue {name!r} runs only {', '.join(kinds)}; this job {asked}",
+                          field="resources.accelerator_type")  # fmt: skip
+
+
+API_SET_REUSE_SECONDS = 1.0
+_api_sets: dict[Any, tuple[float, dict[str, list[str] | None]]] = {}
+
+
+def _api_set(session: Session, *, fresh: bool = False) -> dict[str, list[str] | None]:
+    """The queues set over the API (queues are never deleted), with their accelerator types: read again once the kept
+    copy is a second old, or when `fresh`. A queue's new accelerator types apply to submissions a second later at
+    most, as a dispatcher's view of the cluster does."""
+    engine = base_engine(session.get_bind())
+    kept, now = _api_sets.get(engine), time.monotonic()
+    if kept is not None and now - kept[0] < API_SET_REUSE_SECONDS and not fresh:
+        return kept[1]
+    rows = session.exec(select(QueueConfig.name, QueueConfig.accelerator_types)).all()
+    found = {name: (list(kinds) if kinds else None) for name, kinds in rows}
+    _api_sets[engine] = (now, found)
+    return found
 
 
 @dataclass
@@ -121,5 +154,6 @@ def put(session: Session, name: str, limit: QueueLimit) -> QueueConfig:
     row.owner_quota = limit.owner_quota.as_dict() if limit.owner_quota else None
     row.team_quota = limit.team_quota.as_dict() if limit.team_quota else None
     row.cohort, row.borrowing_limit = limit.cohort, dict(limit.borrowing_limit) or None
+    row.accelerator_types = list(limit.accelerator_types) if limit.accelerator_types else None
     session.add(row)
     return row

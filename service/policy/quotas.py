@@ -23,7 +23,7 @@ from typing import Any
 
 QUOTA_KEYS = ("max_running", "max_cpus", "max_gpus", "max_gpu_hours", "window_hours")
 LIMIT_KEYS = frozenset({"max_running", "max_cpus", "max_gpus", "preemption", "owner_quota", "team_quota", "cohort",
-                        "borrowing_limit"})  # fmt: skip
+                        "borrowing_limit", "accelerator_types"})  # fmt: skip
 RESOURCES = (("CPU", "cpus", "max_cpus"), ("GPU", "gpus", "max_gpus"))
 
 
@@ -94,6 +94,7 @@ class QueueLimit:
     team_quota: Quota | None = None
     cohort: str | None = None
     borrowing_limit: dict[str, float | None] = field(default_factory=dict)  # {"cpus", "gpus"}: None/absent = any
+    accelerator_types: list[str] | None = None  # its jobs must ask for one of these (resources.accelerator_type)
 
     def nominal(self, resource: str) -> float | None:
         return self.max_cpus if resource == "CPU" else self.max_gpus if resource == "GPU" else None
@@ -130,6 +131,9 @@ def parse_queue_limit(conf: dict[str, Any], where: str) -> QueueLimit:
         raise ValueError(f"{where}.preemption: true or false")
     if values.get("cohort") is not None and not isinstance(values["cohort"], str):
         raise ValueError(f"{where}.cohort: a name or null")
+    kinds = values.get("accelerator_types")
+    if kinds is not None and (not isinstance(kinds, list) or not kinds or not all(isinstance(k, str) for k in kinds)):
+        raise ValueError(f"{where}.accelerator_types: a non-empty list of accelerator type names, or null")
     return QueueLimit(**values)
 
 

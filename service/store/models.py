@@ -283,6 +283,7 @@ class QueueConfig(SQLModel, table=True):
     team_quota: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     cohort: str | None = Field(default=None, max_length=64)  # queues of one cohort lend each other idle quota
     borrowing_limit: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))  # {"cpus", "gpus"} at most
+    accelerator_types: list[str] | None = Field(default=None, sa_column=Column(JSON))  # its jobs ask one of these
     updated_at: datetime = Field(default_factory=utcnow, sa_column=_tz())
 
 
