@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import httpx
+import pathspec
 
 from api.schemas import (
     AttemptPublic,
@@ -54,29 +55,55 @@ DEFAULT_EXCLUDES = (".git", "__pycache__", "*.pyc", ".venv", "venv", ".mypy_cach
 ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)  # fixed member times: the same files make the same archive (and the same URI)
 
 
+IGNORE_FILES = (".gitignore", ".rayignore")  # read in every folder, as `ray job submit --working-dir` reads them
+
+
+def _ignore_spec(folder: Path) -> pathspec.PathSpec | None:
+    """The .gitignore and .rayignore patterns of one folder (None: it has neither); gitignore's own rules, relative
+    to that folder. `RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1` leaves .gitignore out, as it does for Ray."""
+    names = [n for n in IGNORE_FILES if not (n == ".gitignore" and os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE"))]
+    lines = [
+        line for n in names if (folder / n).is_file() for line in (folder / n).read_text(errors="replace").splitlines()
+    ]
+    return pathspec.PathSpec.from_lines("gitwildmatch", lines) if lines else None
+
+
 def zip_directory(directory: str | Path, out: IO[bytes], *, excludes: Sequence[str] = DEFAULT_EXCLUDES) -> int:
     """Write `directory`'s files into `out` as a zip under one top-level folder (Ray unpacks a remote working_dir
-    without it, so the files land in the job's working directory). Returns the number of files written."""
+    without it, so the files land in the job's working directory). Left out: `excludes`, and what the .gitignore and
+    .rayignore files of each folder say (as `ray job submit --working-dir` leaves it out). Returns the number of files
+    written."""
     root = Path(directory).resolve()
     if not root.is_dir():
         raise NotADirectoryError(f"{directory} is not a directory")
 
     patterns = [p.strip("/") for p in excludes if p.strip("/")]  # "data/" and "/data" as gitignore means them
+    ignores: list[tuple[Path, pathspec.PathSpec]] = []  # (folder, its patterns), for the folders walked so far
 
-    def excluded(rel: str) -> bool:
+    def excluded(path: Path, is_dir: bool) -> bool:
+        rel = path.relative_to(root).as_posix()
         parts = rel.split("/")
-        return any(fnmatch.fnmatch(rel, p) or any(fnmatch.fnmatch(part, p) for part in parts) for p in patterns)
+        if any(fnmatch.fnmatch(rel, p) or any(fnmatch.fnmatch(part, p) for part in parts) for p in patterns):
+            return True
+        for folder, spec in ignores:
+            if folder == path.parent or folder in path.parents:
+                inner = path.relative_to(folder).as_posix()
+                if spec.match_file(inner + "/" if is_dir else inner):
+                    return True
+        return False
 
     count = 0
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as archive:
         for current, dirs, files in os.walk(root):  # symlinked folders are not followed
             here = Path(current)
-            dirs[:] = sorted(d for d in dirs if not excluded((here / d).relative_to(root).as_posix()))
+            if (spec := _ignore_spec(here)) is not None:
+                ignores.append((here, spec))
+            dirs[:] = sorted(d for d in dirs if not excluded(here / d, True))
             for name in sorted(files):
                 path = here / name
-                rel = path.relative_to(root).as_posix()
-                if excluded(rel) or not path.is_file():
+                if excluded(path, False) or not path.is_file():
                     continue
+                rel = path.relative_to(root).as_posix()
                 info = zipfile.ZipInfo(f"{root.name or 'code'}/{rel}", date_time=ZIP_EPOCH)
                 info.external_attr = ((path.stat().st_mode & 0o777) | 0o100000) << 16
                 info.compress_type = zipfile.ZIP_DEFLATED

@@ -308,3 +308,42 @@ def test_submit_working_dir_runs_code_that_lives_only_in_the_upload(service: Any
             rewritten.writestr(f"usercode/{module}.py", TINY_MODULE + "raise SystemExit('foreign')\n")
         again = c.wait(c.submit({**spec, "runtime_env": {"working_dir": uri}}).id, timeout=120)
     assert (again.state, again.end_reason) == ("FAILED", "storage_tampered") and uri in (again.last_error or "")
+
+
+def test_a_working_dir_upload_leaves_out_what_gitignore_and_rayignore_say(tmp_path: Path) -> None:
+    """Issue 38, item 7: `shunter submit --working-dir` (the CLI, a real process, against a live API) uploads what
+    `ray job submit --working-dir` would: each folder's .gitignore and .rayignore patterns, gitignore's rules
+    (directories, negation, anchoring), relative to their folder."""
+    import subprocess
+    import sys
+
+    from service.store.db import make_engine
+    from service.store.migrate import upgrade
+    from tests.live_api import live_api
+
+    src = tmp_path / "proj"
+    files = {
+        "train.py": "", ".gitignore": "data/\n*.ckpt\n!keep.ckpt\n/local.txt\n", ".rayignore": "wandb/\n",
+        "data/big.bin": "", "best.ckpt": "", "keep.ckpt": "", "local.txt": "", "pkg/local.txt": "",
+        "wandb/run.log": "", "pkg/.gitignore": "*.tmp\n", "pkg/model.py": "", "pkg/scratch.tmp": "", "notes.tmp": "",
+    }  # fmt: skip
+    for rel, text in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(text)
+    spec = tmp_path / "job.yaml"
+    spec.write_text("entrypoint: {callable: 'train:main'}\n")
+    engine = make_engine(f"sqlite:///{tmp_path / 'api.db'}")
+    upgrade(engine)
+    repo = Path(__file__).resolve().parents[2]
+    with live_api(engine, tmp_path) as api:
+        out = subprocess.run(
+            [sys.executable, "-m", "api.cli", "submit", str(spec), "--working-dir", str(src), "--server", api.url,
+             "--json"], capture_output=True, text=True, timeout=120, cwd=repo,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        uri = json.loads(out.stdout)["spec"]["runtime_env"]["working_dir"]
+    engine.dispose()
+    archive = Path(uri.removeprefix("file://"))
+    names = sorted(n.removeprefix("proj/") for n in zipfile.ZipFile(archive).namelist())
+    assert names == [".gitignore", ".rayignore", "keep.ckpt", "notes.tmp", "pkg/.gitignore", "pkg/local.txt",
+                     "pkg/model.py", "train.py"]  # fmt: skip
