@@ -118,10 +118,38 @@ def run_dispatcher_process(dispatcher_cls: type[Dispatcher] = Dispatcher) -> Non
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     owner = settings.resolved_dispatcher_id()
+    metrics = serve_dispatcher_metrics(settings)
     sender = start_sender(runtime.engine, settings, stop)
     try:
         dispatcher_cls(engine=runtime.engine, settings=settings, ray=runtime.ray, owner=owner).run(stop)
     finally:
         stop.set()
         sender.join(timeout=30)
+        if metrics is not None:
+            metrics.shutdown()
         runtime.close()
+
+
+def serve_dispatcher_metrics(settings: Settings) -> Any:
+    """A standalone dispatcher's /metrics (Prometheus text) on `dispatcher_metrics_host:port`, in a thread: its tick
+    histogram and its process (CPU, memory, open files); counts by state, admissions and retries are the database's
+    and come from any API's /metrics. None when the port is 0."""
+    if not settings.dispatcher_metrics_port:
+        return None
+    from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+
+    from service.collectors import InProcess
+    from service.dispatch.timings import DISPATCHER_TICK_SECONDS
+
+    registry = CollectorRegistry()
+    registry.register(InProcess(DISPATCHER_TICK_SECONDS))
+    ProcessCollector(registry=registry)
+    try:
+        server, _ = start_http_server(settings.dispatcher_metrics_port, settings.dispatcher_metrics_host, registry)
+    except OSError as exc:  # another process has the port (two dispatchers on one host): dispatch on, unscraped
+        log.warning("cannot serve the dispatcher's metrics on %s:%d (%s); set SHUNTER_DISPATCHER_METRICS_PORT "
+                    "(0: none)", settings.dispatcher_metrics_host, settings.dispatcher_metrics_port, exc)  # fmt: skip
+        return None
+    log.info("dispatcher metrics on http://%s:%d/metrics", settings.dispatcher_metrics_host,
+             settings.dispatcher_metrics_port)  # fmt: skip
+    return server

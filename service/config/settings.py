@@ -117,6 +117,10 @@ class Settings(BaseSettings):
     dispatcher_tick_seconds: float = Field(0.5, gt=0)
     lease_seconds: float = Field(15.0, gt=0)
     dispatcher_threads: int = Field(8, ge=1, le=64, description="jobs reconciled at once by one dispatcher")
+    # `shunter dispatcher` (a dispatcher alone) serves its own /metrics (its tick histogram, its process) on this
+    # address; 0: none. `serve` and `api` have theirs on the API's /metrics.
+    dispatcher_metrics_host: str = "127.0.0.1"
+    dispatcher_metrics_port: int = Field(9464, ge=0, le=65535)
     # How often a dispatcher removes the placement groups Ray should have removed and did not: not detached, of an
     # ended Ray job, made by a dead actor (service.backends.ray_jobs.orphaned). One left held keeps its CPUs and GPUs
     # from every later job for as long as the cluster lives.

@@ -338,3 +338,20 @@ def test_kuberay_gcs_fault_tolerance_overlay() -> None:
     assert "ray_drivers_off_head" in Settings.model_fields
     redis = _container(rendered[("Deployment", "shunter-redis")])
     assert "--appendonly" in redis["args"] and redis["volumeMounts"][0]["mountPath"] == "/data"
+
+
+def test_the_dispatchers_serve_their_metrics_where_they_are_scraped() -> None:
+    """Issue 38, item 6: the standalone dispatchers bind their /metrics beyond loopback, on the port the KubeRay pod
+    annotations and Service name (the process itself: tests/service/test_dispatcher_metrics.py)."""
+    port = Settings().dispatcher_metrics_port
+    docs = _kube()
+    deployment = docs[("Deployment", "shunter-dispatcher")]
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == str(port)
+    container = _container(deployment)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["SHUNTER_DISPATCHER_METRICS_HOST"] == "0.0.0.0" and env["SHUNTER_DISPATCHER_METRICS_PORT"] == str(port)
+    assert {"name": "metrics", "containerPort": port} in container["ports"]
+    assert docs[("Service", "shunter-dispatcher")]["spec"]["ports"][0]["port"] == port
+    compose = _compose("docker-compose.yml")["services"]["dispatcher"]
+    assert _env(compose)["SHUNTER_DISPATCHER_METRICS_HOST"] == "0.0.0.0" and str(port) in compose["expose"]
