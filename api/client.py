@@ -24,6 +24,7 @@ from api.schemas import (
     JobPublic,
     MetricPoint,
     UsagePublic,
+    Validated,
 )
 from api.sweep_schemas import SweepCancelled, SweepList, SweepPublic
 
@@ -133,6 +134,10 @@ class Client:
     def submit(self, spec: dict[str, Any], *, idempotency_key: str | None = None) -> JobPublic:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         return JobPublic.model_validate(self._call("POST", "/v1/jobs", json=spec, headers=headers))
+
+    def validate(self, spec: dict[str, Any]) -> Validated:
+        """`POST /v1/jobs/validate`: every check a submission runs, nothing queued (ApiError with the same 4xx)."""
+        return Validated.model_validate(self._call("POST", "/v1/jobs/validate", json=spec))
 
     def upload_code(self, archive: bytes | IO[bytes]) -> dict[str, Any]:
         """`POST /v1/code`: store a zip archive; returns {"uri", "sha256", "size"}."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -23,7 +24,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from api.client import ApiError, Client
+from api import spec_overrides
+from api.client import ApiError, Client, zip_directory
 from api.console import console, err
 from api.schemas import EventPublic
 from service.lifecycle import preflight_results
@@ -95,9 +97,23 @@ def submit(
         Path | None,
         typer.Option("--working-dir", help="zip this folder, upload it (POST /v1/code), run the job in it"),
     ] = None,
+    env: Annotated[
+        list[str] | None, typer.Option("--env", help="NAME=value into runtime_env.env_vars (repeat)")
+    ] = None,
+    sets: Annotated[list[str] | None, typer.Option("--set", help="a.b=value: set a field (YAML value; repeat)")] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="run every check a submission runs; queue nothing")
+    ] = False,
 ) -> None:
     """Queue a job; prints its id."""
-    spec = _load_spec(file)
+    try:
+        spec = spec_overrides.apply(_load_spec(file), env=env, sets=sets)
+    except spec_overrides.OverrideError as exc:
+        err.print(f"[red]{escape(str(exc))}[/red]")
+        raise typer.Exit(2) from exc
+    if dry_run:
+        _dry_run(spec, working_dir, server=server, token=token, as_json=as_json)
+        return
     with _client(server, token) as c:
         try:
             if working_dir is None:
@@ -120,6 +136,39 @@ def submit(
         console.print(f"submitted [bold]{job.id}[/bold] ({escape(job.name)}) state={job.state}")
     if watch_it:
         watch(job.id, server=server, token=token)
+
+
+def _dry_run(spec: dict[str, Any], working_dir: Path | None, *, server: str, token: str | None, as_json: bool) -> None:
+    """`submit --dry-run`: the server's checks (`POST /v1/jobs/validate`); a working dir is zipped here, not uploaded
+    (what it would hold is counted), and the spec is checked without it."""
+    files = None
+    if working_dir is not None:
+        try:
+            with tempfile.TemporaryFile() as handle:
+                files = zip_directory(working_dir, handle)
+        except OSError as exc:
+            _fail(exc)
+    with _client(server, token) as c:
+        try:
+            said = c.validate(spec)
+        except ApiError as exc:
+            for e in exc.body.get("errors") or []:
+                err.print(f"[red]{escape(str(e['field']))}[/red]: {escape(str(e['message']))}")
+            _fail(exc)
+            return
+        except httpx.HTTPError as exc:
+            _fail(RuntimeError(f"cannot reach the shunter API at {server}: {exc}"))
+            return
+    if as_json:
+        _print_json(said.model_copy(update={"spec": said.spec | ({"working_dir_files": files} if files else {})}))
+        return
+    console.print("[green]valid[/green]: a submission would be queued (nothing was)")
+    if files is not None:
+        console.print(f"--working-dir would upload {files} files")
+    if said.state_reason and said.state_reason != "waiting for resources":
+        console.print(f"it would wait: {escape(said.state_reason)}")
+    for warning in said.warnings:
+        console.print(f"[yellow]warning[/yellow]: {escape(warning)}")
 
 
 @app.command()

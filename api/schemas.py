@@ -291,3 +291,12 @@ class UsagePublic(_Out):
     jobs_ended: dict[str, int] = Field(description="jobs that finished in the window, by end state")
     end_reasons: dict[str, int] = Field(description="the same jobs, by end reason")
     queue_wait: QueueWaitPublic
+
+
+class Validated(BaseModel):
+    """A spec a submission would accept (`POST /v1/jobs/validate`): nothing was queued."""
+
+    valid: bool = True
+    state_reason: str | None = Field(None, description="why it would wait, when it would not start at once")
+    warnings: list[str] = Field(default_factory=list)
+    spec: dict[str, Any] = Field(description="the spec as the service reads it")

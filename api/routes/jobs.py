@@ -23,6 +23,7 @@ from api.schemas import (
     JobPublic,
     MetricPoint,
     Position,
+    Validated,
 )
 from api.sse import SSE_RESPONSE, event_stream
 from service import estimate
@@ -82,6 +83,19 @@ def submit_job(
         response.status_code = status.HTTP_200_OK
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     return _with_dependencies(to_public(job, session), job, session)
+
+
+@router.post("/validate", response_model=Validated, responses=SPEC_BUDGET_RESPONSES)
+def validate_job(spec: JobSpec, session: SessionDep, caller: CallerDep, settings: SettingsDep) -> Validated:
+    """Every check a submission runs (the spec, what this caller may ask, the queue, the cluster's fit, named code
+    archives, the spec budget), without queueing: 200 with what it would be told, or the 4xx a submission would
+    get. Nothing is written (`shunter submit --dry-run`)."""
+    try:
+        job, _ = jobs.submit(session, spec, caller=caller, settings=settings)
+        return Validated(state_reason=job.state_reason, warnings=list(job.warnings or []),
+                         spec=spec.model_dump(mode="json", exclude_unset=True))  # fmt: skip
+    finally:
+        session.rollback()  # the job's row, its event, a named archive's use: none of it is kept
 
 
 _EVENTS_AFTER = {
