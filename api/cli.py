@@ -8,11 +8,31 @@ This module stays the entry point: the `shunter` console script and `python -m a
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
-from api import commands, launchers, report_commands, sweep_commands
+from api import commands, launchers, profiles, report_commands, sweep_commands
 
-app = typer.Typer(help="shunter: a durable queue in front of Ray Train.", no_args_is_help=True, add_completion=False)
+# Completion for bash, zsh and fish: `shunter --install-completion`, or `--show-completion <shell>` to print it.
+app = typer.Typer(help="shunter: a durable queue in front of Ray Train.", no_args_is_help=True)
+
+
+@app.callback()
+def main(
+    profile: Annotated[
+        str | None,
+        typer.Option(
+            "--profile",
+            "-p",
+            envvar="SHUNTER_PROFILE",
+            help="server and token from this profile of ~/.config/shunter/config.toml",
+        ),
+    ] = None,
+) -> None:
+    """shunter: a durable queue in front of Ray Train."""
+    profiles.selected = profile
+
 
 # Copy the commands (and the `db` group) onto the root rather than `app.add_typer(part)`: merging a nameless
 # sub-app needs typer >= 0.15, and pyproject allows 0.12. Launchers first, so `--help` lists them first.

@@ -7,82 +7,43 @@ the rich progress display of `watch`.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import httpx
 import typer
-import yaml
-from pydantic import BaseModel
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from api import spec_overrides
-from api.client import ApiError, Client, zip_directory
+from api.cli_common import (
+    DEFAULT_URL,
+    JsonOpt,
+    ServerOpt,
+    TokenOpt,
+    _calling,
+    _client,
+    _fail,
+    _load_spec,
+    _print_json,
+)  # fmt: skip
+from api.client import ApiError, zip_directory
 from api.console import console, err
 from api.schemas import EventPublic
 from service.lifecycle import preflight_results
 
 app = typer.Typer(help="Talk to a shunter server.", no_args_is_help=True, add_completion=False)
 
-ServerOpt = Annotated[str, typer.Option("--server", "-s", envvar="SHUNTER_URL", help="shunter API base URL")]
-TokenOpt = Annotated[str | None, typer.Option("--token", envvar="SHUNTER_TOKEN", help="API bearer token")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON for scripts")]
-DEFAULT_URL = "http://127.0.0.1:8080"
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 STATUS_FIELDS = (
     "id", "name", "state", "state_reason", "position", "estimated_start", "attempt", "step", "loss",
     "latest_checkpoint", "end_reason", "last_error", "created_at", "started_at", "finished_at", "ray_submission_id",
     "ray_dashboard_url",
 )  # fmt: skip
-
-
-def _client(server: str, token: str | None) -> Client:
-    return Client(server, token=token)
-
-
-@contextlib.contextmanager
-def _calling(server: str, token: str | None) -> Iterator[Client]:
-    """A client whose API errors end the command with the server's message (exit 1 for 4xx, 2 otherwise)."""
-    with _client(server, token) as c:
-        try:
-            yield c
-        except ApiError as exc:
-            _fail(exc)
-        except httpx.HTTPError as exc:
-            _fail(RuntimeError(f"cannot reach the shunter API at {server}: {exc}"))
-
-
-def _fail(exc: Exception) -> NoReturn:
-    err.print(f"[red]error:[/red] {escape(str(exc))}")
-    raise typer.Exit(1 if isinstance(exc, ApiError) and exc.status_code < 500 else 2)
-
-
-def _print_json(data: BaseModel | Sequence[BaseModel]) -> None:
-    """`--json`: one model as its JSON object, a list of them as a JSON array."""
-    if isinstance(data, BaseModel):
-        console.print_json(data.model_dump_json())
-    else:
-        console.print_json(json.dumps([r.model_dump(mode="json") for r in data]))
-
-
-def _load_spec(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        err.print(f"[red]cannot read {escape(str(path))}:[/red] {escape(str(exc))}")
-        raise typer.Exit(2) from exc
-    if not isinstance(data, dict):
-        err.print(f"[red]{escape(str(path))} is not a job spec (a mapping)[/red]")
-        raise typer.Exit(2)
-    return data
 
 
 @app.command()
@@ -222,14 +183,20 @@ def _queued_text(job: Any) -> str:
 @app.command("list")
 def list_cmd(
     state: Annotated[str | None, typer.Option(help="only jobs in this state")] = None,
-    limit: Annotated[int, typer.Option()] = 50,
+    queue: Annotated[str | None, typer.Option(help="only this queue's jobs")] = None,
+    owner: Annotated[str | None, typer.Option(help="admins: only this owner's jobs")] = None,
+    name: Annotated[str | None, typer.Option(help="only jobs of this name")] = None,
+    sweep: Annotated[str | None, typer.Option(help="only this sweep's members")] = None,
+    limit: Annotated[int, typer.Option(help="jobs a page")] = 50,
+    cursor: Annotated[str | None, typer.Option(help="the page after the one that printed it")] = None,
     server: ServerOpt = DEFAULT_URL,
     token: TokenOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Jobs, newest first."""
+    """Jobs, newest first, a page at a time (the next page's --cursor is printed under it)."""
     with _calling(server, token) as c:
-        page = c.list(state=state.upper() if state else None, limit=limit)
+        page = c.list(state=state.upper() if state else None, limit=limit, cursor=cursor, queue=queue or "",
+                      owner=owner or "", name=name or "", sweep=sweep or "")  # fmt: skip
     if as_json:
         _print_json(page)
         return
@@ -240,6 +207,8 @@ def list_cmd(
         table.add_row(job.id, escape(job.name), job.state, str(job.attempt), str(job.step or ""), loss,
                       job.created_at.strftime("%Y-%m-%d %H:%M:%S"))  # fmt: skip
     console.print(table)
+    if page.next_cursor:
+        console.print(f"more: --cursor {escape(page.next_cursor)}")
 
 
 @app.command()

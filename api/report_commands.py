@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Column, Table
 
-from api.commands import DEFAULT_URL, JsonOpt, ServerOpt, TokenOpt, _calling, _print_json
+from api.cli_common import DEFAULT_URL, JsonOpt, ServerOpt, TokenOpt, _calling, _print_json
 from api.console import console
 from api.schemas import UsagePublic
 

@@ -9,8 +9,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from api.cli_common import DEFAULT_URL, JsonOpt, ServerOpt, TokenOpt, _calling, _fail, _load_spec, _print_json
 from api.client import ApiError
-from api.commands import DEFAULT_URL, JsonOpt, ServerOpt, TokenOpt, _calling, _fail, _load_spec, _print_json
 from api.console import console, err
 from api.sweep_schemas import SweepMember, SweepPublic
 

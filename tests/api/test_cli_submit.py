@@ -65,3 +65,58 @@ def test_validate_answers_as_a_submission_would_and_writes_nothing(app_client) -
         assert session.exec(select(func.count()).select_from(JobEvent)).one() == 0
     warned = c.post("/v1/jobs/validate", json={**GOOD, "resources": {"num_workers": 1, "accelerator_type": "H1OO"}})
     assert warned.status_code == 200 and "not one of Ray's accelerator names" in warned.json()["warnings"][0]
+
+
+def test_profiles_completion_and_list_filters_with_paging(tmp_path: Path) -> None:
+    """Profiles give the server and token, below the flags and SHUNTER_URL / SHUNTER_TOKEN; a profile file others
+    can read is refused; completion scripts print for bash, zsh and fish; `list` takes the API's filters and pages."""
+    import os
+    import stat
+
+    from service.backends.ray_local import free_port
+    from tests.api.conftest import TOKENS
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'api.db'}")
+    upgrade(engine)
+    home = tmp_path / "home"
+    config = home / "shunter" / "config.toml"
+    config.parent.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHUNTER_")} | {"XDG_CONFIG_HOME": str(home)}
+
+    def run(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "api.cli", *args], capture_output=True, text=True, timeout=120,
+                              cwd=REPO, env=env | extra)  # fmt: skip
+
+    with live_api(engine, tmp_path, api_tokens=TOKENS) as api:
+        config.write_text(f'default = "dev"\n[profiles.dev]\nserver = "{api.url}"\ntoken = "tok-alice"\n'
+                          f'[profiles.root]\nserver = "{api.url}"\ntoken = "tok-root"\n')  # fmt: skip
+        config.chmod(0o644)
+        loose = run("list")
+        assert loose.returncode == 2 and "others can read it" in loose.stderr and "chmod 600" in loose.stderr
+        config.chmod(stat.S_IRUSR | stat.S_IWUSR)
+        spec = tmp_path / "job.yaml"
+        spec.write_text(json.dumps(GOOD))
+        for name in ("a", "b", "c"):
+            assert run("submit", str(spec), "--set", f"name={name}").returncode == 0  # the default profile: alice
+        assert run("--profile", "root", "submit", str(spec), "--set", "name=r").returncode == 0
+        mine = json.loads(run("list", "--json").stdout)
+        assert {j["name"] for j in mine["items"]} == {"a", "b", "c"}  # alice sees hers only
+        everyone = json.loads(run("list", "--json", SHUNTER_PROFILE="root").stdout)
+        assert len(everyone["items"]) == 4
+        page = run("--profile", "root", "list", "--limit", "2")
+        assert page.returncode == 0 and "more: --cursor" in page.stdout
+        cursor = page.stdout.split("more: --cursor")[1].split()[0]
+        rest = json.loads(run("--profile", "root", "list", "--json", "--limit", "2", "--cursor", cursor).stdout)
+        assert len(rest["items"]) == 2 and rest["next_cursor"] is None
+        named = json.loads(run("--profile", "root", "list", "--json", "--name", "b", "--owner", "alice").stdout)
+        assert [j["name"] for j in named["items"]] == ["b"]
+        # SHUNTER_URL and SHUNTER_TOKEN come before the profile, and the flags before them.
+        dead = f"http://127.0.0.1:{free_port()}"
+        assert run("list", SHUNTER_URL=dead).returncode == 2
+        assert run("list", "--server", api.url, SHUNTER_URL=dead).returncode == 0
+        assert run("list", SHUNTER_TOKEN="not-a-token").returncode == 1  # 401: the profile's token was not used
+        assert "not in" in run("--profile", "nope", "list").stderr
+    engine.dispose()
+    for shell in ("bash", "zsh", "fish"):
+        shown = run("--show-completion", shell)
+        assert shown.returncode == 0 and "complete" in shown.stdout.lower(), (shell, shown.stderr)
