@@ -40,6 +40,7 @@ for part in (launchers.app, commands.app, report_commands.app):
     app.registered_commands.extend(part.registered_commands)
     app.registered_groups.extend(part.registered_groups)
 app.add_typer(sweep_commands.app, name="sweep")  # a named group: fine on typer 0.12
+app.add_typer(launchers.config_app, name="config")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -138,3 +139,31 @@ def db_current() -> None:
     from service.store.migrate import current
 
     console.print(current(make_engine(get_settings().database_url)) or "empty (no shunter schema yet)")
+
+
+config_app = typer.Typer(help="The service's settings file (SHUNTER_CONFIG).", no_args_is_help=True)
+
+
+@config_app.command("check")
+def config_check(
+    file: Annotated[Path, typer.Argument(help="a YAML file of settings, as SHUNTER_CONFIG names it")],
+) -> None:
+    """Read FILE as the service would (this environment's SHUNTER_* on top of it); each error names its key."""
+    import os
+
+    from pydantic import ValidationError
+
+    from service.config.settings import Settings
+
+    os.environ["SHUNTER_CONFIG"] = str(file)
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        for e in exc.errors():
+            err.print(f"[red]{'.'.join(str(p) for p in e['loc'])}[/red]: {e['msg']}")
+        raise typer.Exit(1) from exc
+    except (ValueError, OSError) as exc:  # an unknown key, not a file, not YAML
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from exc
+    settings.quota_rules(), settings.fair_share_config(), settings.exclusion_rules()  # what admission builds from them
+    console.print(f"{file}: ok ({len(settings.model_fields_set)} settings set here or in the environment)")

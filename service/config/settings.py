@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import Field, StrictFloat, StrictInt, ValidationInfo, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
 from service.config.tokens import TokenInfo
 from service.core.numbers import StrictModel
@@ -31,8 +31,36 @@ class NodeTypeConfig(StrictModel):
     max: int = Field(ge=0, le=100_000)
 
 
+class ConfigFile(YamlConfigSettingsSource):
+    """`SHUNTER_CONFIG`: a YAML file of settings by their names (`queues:`, `quotas:`, `fair_share:`, `webhooks:`,
+    `database_url:` ...), below the environment. A key that names no setting is an error naming it: a typo in a
+    reviewed file must not pass as the default."""
+
+    def __call__(self) -> dict[str, Any]:
+        data = super().__call__()
+        unknown = sorted(set(data) - set(self.settings_cls.model_fields))
+        if unknown:
+            raise ValueError(f"{self.yaml_file_path}: unknown settings {unknown} (SHUNTER_<NAME>'s names, lowercase)")
+        return data
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SHUNTER_", env_file=".env", extra="ignore")
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:  # fmt: skip
+        """Arguments, then the environment (and .env), then `SHUNTER_CONFIG`'s file."""
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings, dotenv_settings, file_secret_settings]
+        path = os.environ.get("SHUNTER_CONFIG")
+        if path:
+            if not Path(path).is_file():
+                raise ValueError(f"SHUNTER_CONFIG: {path} is not a file")
+            sources.append(ConfigFile(settings_cls, yaml_file=path))
+        return tuple(sources)
 
     database_url: str = "sqlite:///./shunter.db"
     # Unset: `shunter serve` starts (or re-attaches to) a local Ray head of its own under data_dir.
