@@ -6,6 +6,7 @@ import fnmatch
 import os
 import tempfile
 import time
+import uuid
 import zipfile
 from collections.abc import Iterator, Sequence
 from datetime import datetime
@@ -14,7 +15,9 @@ from typing import IO, Any
 
 import httpx
 import pathspec
+from tenacity import Retrying
 
+from api import retries as retries_
 from api.schemas import (
     AttemptPublic,
     CheckpointPublic,
@@ -32,10 +35,11 @@ from api.sweep_schemas import SweepCancelled, SweepList, SweepPublic
 class ApiError(Exception):
     """A 4xx/5xx answer; carries the server's JSON body."""
 
-    def __init__(self, status_code: int, body: dict[str, Any]) -> None:
+    def __init__(self, status_code: int, body: dict[str, Any], retry_after: float | None = None) -> None:
         self.status_code = status_code
         self.body = body
         self.code = body.get("code")
+        self.retry_after = retry_after  # the server's Retry-After, in seconds
         super().__init__(f"HTTP {status_code}: {body.get('detail', body)}")
 
 
@@ -114,9 +118,15 @@ def zip_directory(directory: str | Path, out: IO[bytes], *, excludes: Sequence[s
 
 
 class Client:
-    def __init__(self, base_url: str = "http://127.0.0.1:8080", *, token: str | None = None, timeout: float = 30.0):
+    """The REST API, typed (`api.schemas`). A GET, and a submit (which always carries an `Idempotency-Key`), is tried
+    again after a transient failure (`api.retries`: no connection, a timeout, 429/502/503/504), `retries` more
+    times at most; anything else is tried once. `AsyncClient` (`api.async_client`) is the same for asyncio."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8080", *, token: str | None = None, timeout: float = 30.0,
+                 retries: int = retries_.RETRIES):  # fmt: skip
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+        self.retries = retries
 
     def close(self) -> None:
         self.http.close()
@@ -127,12 +137,24 @@ class Client:
     def __exit__(self, *_: object) -> None:
         self.close()
 
+    def _request(self, method: str, path: str, *, repeat: bool | None = None, **kwargs: Any) -> httpx.Response:
+        """One request; tried again after a transient failure when it is safe to repeat (`repeat`, or by default a
+        GET or a request with an Idempotency-Key)."""
+        if not (repeat if repeat is not None else retries_.repeatable(method, kwargs.get("headers"))):
+            return _checked(self.http.request(method, path, **kwargs))
+        for attempt in Retrying(**retries_.policy(self.retries)):
+            with attempt:
+                return _checked(self.http.request(method, path, **kwargs))
+        raise AssertionError("unreachable: tenacity re-raises the last failure")
+
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        r = _checked(self.http.request(method, path, **kwargs))
+        r = self._request(method, path, **kwargs)
         return r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
 
     def submit(self, spec: dict[str, Any], *, idempotency_key: str | None = None) -> JobPublic:
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        """Queue a job. Its `Idempotency-Key` (a new one unless given) makes a retry after a lost answer return the
+        same job, not a second one."""
+        headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
         return JobPublic.model_validate(self._call("POST", "/v1/jobs", json=spec, headers=headers))
 
     def validate(self, spec: dict[str, Any]) -> Validated:
@@ -140,8 +162,11 @@ class Client:
         return Validated.model_validate(self._call("POST", "/v1/jobs/validate", json=spec))
 
     def upload_code(self, archive: bytes | IO[bytes]) -> dict[str, Any]:
-        """`POST /v1/code`: store a zip archive; returns {"uri", "sha256", "size"}."""
-        return dict(self._call("POST", "/v1/code", content=archive, headers={"Content-Type": "application/zip"}))
+        """`POST /v1/code`: store a zip archive; returns {"uri", "sha256", "size"}. Stored by its content, so sending
+        it again after a transient failure stores nothing new: it is tried again, as a GET is."""
+        data = archive if isinstance(archive, bytes) else archive.read()
+        answer = self._call("POST", "/v1/code", content=data, headers={"Content-Type": "application/zip"}, repeat=True)
+        return dict(answer)
 
     def upload_directory(self, directory: str | Path, *, excludes: Sequence[str] = DEFAULT_EXCLUDES) -> dict[str, Any]:
         """Zip `directory` (minus `excludes`) and upload it; the answer's `uri` is a `runtime_env.working_dir`."""
@@ -176,7 +201,7 @@ class Client:
         """Every row of a paged list (a job's events, checkpoints, metrics), following X-Next-After page by page."""
         params = dict(params)
         while True:
-            r = _checked(self.http.get(path, params=params))
+            r = self._request("GET", path, params=params)
             yield from r.json()
             after = r.headers.get("X-Next-After")
             if not after:
@@ -297,5 +322,13 @@ def _checked(r: httpx.Response) -> httpx.Response:
             body = r.json()
         except ValueError:
             body = {"detail": r.text}
-        raise ApiError(r.status_code, body if isinstance(body, dict) else {"detail": body})
+        raise ApiError(r.status_code, body if isinstance(body, dict) else {"detail": body},
+                       retry_after=_seconds(r.headers.get("Retry-After")))  # fmt: skip
     return r
+
+
+def _seconds(value: str | None) -> float | None:
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None  # an HTTP date: the backoff's own wait applies
