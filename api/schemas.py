@@ -263,6 +263,9 @@ class UsageTotals(_Out):
     cpu_hours: float
     gpu_hours: float
     attempts: int = Field(description="attempts that held resources in the window")
+    gpu_hours_by_type: dict[str, float] = Field(
+        default_factory=dict, description="the GPU-hours of jobs that asked for an accelerator type, by type"
+    )
 
 
 class UsageRow(UsageTotals):

@@ -60,3 +60,11 @@ def workers_fitting(total: Mapping[str, float], per_worker: Mapping[str, float])
     """How many workers of `per_worker` one node of `total` could ever hold."""
     counts = [int(total.get(k, 0.0) // v) for k, v in per_worker.items() if v > 0]
     return min(counts) if counts else 0
+
+
+ACCELERATOR_PREFIX = "accelerator_type:"  # Ray's resource of a node's accelerator type (`accelerator_type:A100`)
+
+
+def accelerator_of(per_worker: Mapping[str, float]) -> str | None:
+    """The accelerator type a worker asks for (the spec's `accelerator_type`, or the raw resource key), or None."""
+    return next((k[len(ACCELERATOR_PREFIX) :] for k in sorted(per_worker) if k.startswith(ACCELERATOR_PREFIX)), None)

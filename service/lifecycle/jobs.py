@@ -169,6 +169,7 @@ def submit(
         owner=caller.owner,
         team=caller.team,
         queue=spec.queue,
+        accelerator_type=resources.accelerator_of(spec.resources.per_worker()),
         priority=spec.priority,
         spec=dumped,
         spec_bytes=size,

@@ -74,6 +74,7 @@ class Job(SQLModel, table=True):
     owner: str = Field(default="anonymous", max_length=128, index=True)
     team: str | None = Field(default=None, max_length=128)  # the submitting token's team (fair share, quotas, usage)
     queue: str = Field(default="default", max_length=64, index=True)
+    accelerator_type: str | None = Field(default=None, max_length=64)  # what its workers ask for (usage by type)
     priority: int = 0
     state: JobState = Field(default=JobState.QUEUED, max_length=16)
     state_reason: str | None = Field(default=None, sa_column=Column(Text))

@@ -10,7 +10,7 @@ what its window holds, not the whole history.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,7 @@ class Usage:
     cpu_seconds: float = 0.0
     gpu_seconds: float = 0.0
     attempts: int = 0
+    gpu_seconds_by_type: dict[str, float] = field(default_factory=dict)  # of jobs that ask for an accelerator type
 
     @property
     def cpu_hours(self) -> float:
@@ -43,10 +44,16 @@ class Usage:
     def gpu_hours(self) -> float:
         return self.gpu_seconds / 3600
 
+    @property
+    def gpu_hours_by_type(self) -> dict[str, float]:
+        return {kind: seconds / 3600 for kind, seconds in sorted(self.gpu_seconds_by_type.items())}
+
     def add(self, other: Usage) -> None:
         self.cpu_seconds += other.cpu_seconds
         self.gpu_seconds += other.gpu_seconds
         self.attempts += other.attempts
+        for kind, seconds in other.gpu_seconds_by_type.items():
+            self.gpu_seconds_by_type[kind] = self.gpu_seconds_by_type.get(kind, 0.0) + seconds
 
 
 @dataclass(kw_only=True)
@@ -172,7 +179,16 @@ def _overlapping(
     session: Session, scope: list[ColumnElement[bool]], since: datetime | None, until: datetime
 ) -> Iterable[Any]:
     query = (
-        select(Job.owner, Job.team, Job.queue, Attempt.cpus, Attempt.gpus, Attempt.started_at, Attempt.ended_at)
+        select(
+            Job.owner,
+            Job.team,
+            Job.queue,
+            Attempt.cpus,
+            Attempt.gpus,
+            Attempt.started_at,
+            Attempt.ended_at,
+            Job.accelerator_type,
+        )  # fmt: skip
         .join(Job, col(Job.id) == col(Attempt.job_id))
         .where(col(Attempt.started_at) < until, *scope)
     )
@@ -183,10 +199,11 @@ def _overlapping(
 
 def _rows(attempts: Iterable[Any], *, since: datetime | None, until: datetime, now: datetime) -> list[UsageRow]:
     rows: dict[tuple[str, str | None, str], UsageRow] = {}
-    for owner, team, queue, cpus, gpus, started, ended in attempts:
+    for owner, team, queue, cpus, gpus, started, ended, kind in attempts:
         row = rows.setdefault((owner, team, queue), UsageRow(owner=owner, team=team, queue=queue))
         seconds = clipped_seconds(started, ended, since=since, until=until, now=now)
-        row.add(Usage(cpu_seconds=cpus * seconds, gpu_seconds=gpus * seconds, attempts=1))
+        by_type = {kind: gpus * seconds} if kind and gpus else {}
+        row.add(Usage(cpu_seconds=cpus * seconds, gpu_seconds=gpus * seconds, attempts=1, gpu_seconds_by_type=by_type))
     return [rows[key] for key in sorted(rows, key=lambda k: (k[0], k[1] or "", k[2]))]
 
 

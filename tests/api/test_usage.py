@@ -165,7 +165,7 @@ def test_api_window_visibility_and_errors(db: Engine, tmp_path: Path) -> None:
         rows = {(r["owner"], r["team"], r["queue"]): (r["cpu_hours"], r["gpu_hours"], r["attempts"])
                 for r in body["rows"]}  # fmt: skip
         assert rows == {("alice", "ml", "default"): (35.6, 2.0, 3), ("bob", None, "gpu"): (7.5, 15.0, 1)}
-        assert body["totals"] == {"cpu_hours": 43.1, "gpu_hours": 17.0, "attempts": 4}
+        assert body["totals"] == {"cpu_hours": 43.1, "gpu_hours": 17.0, "attempts": 4, "gpu_hours_by_type": {}}
         assert body["jobs_ended"] == {"SUCCEEDED": 1, "FAILED": 0, "CANCELLED": 1}
         assert body["queue_wait"] == {"jobs": 2, "p50": 360.0, "p90": 1800.0, "p99": 1800.0}
         # The same instants written in another zone, or without one (UTC), are the same window.
@@ -318,3 +318,25 @@ def test_totals_sum_rows_and_windows_add_up(db: Engine, attempts: list[tuple], c
             parts = [part.get(key, (0.0, 0.0)) for part in (first, second)]
             # Whole minutes times multiples of a half are exact in floating point: the sums must match exactly.
             assert tuple(x + y for x, y in zip(*parts, strict=True)) == whole.get(key, (0.0, 0.0)), key
+
+
+def test_gpu_hours_are_counted_by_accelerator_type(db: Engine) -> None:
+    """Issue 37: a job that asks for an accelerator type (the spec's field, or Ray's raw resource key) has its
+    GPU-hours counted under that type too, in its row and in the totals; an untyped job's are not."""
+    with Session(db, expire_on_commit=False) as s:
+        typed = []
+        for resources in ({"accelerator_type": "A100"}, {"resources_per_worker": {"accelerator_type:H100": 0.001}}):
+            spec = JobSpec.model_validate({**GOOD, "resources": {"num_workers": 1, "use_gpu": True, **resources}})
+            job, _ = jobs.submit(s, spec, caller=Caller(owner="alice"))
+            job.created_at = T0
+            s.commit()
+            typed.append(job)
+        assert [j.accelerator_type for j in typed] == ["A100", "H100"]
+        _attempt(s, typed[0], T0, T0 + 2 * H, cpus=1, gpus=4, to=JobState.SUCCEEDED)  # 8 GPU-h of A100
+        _attempt(s, typed[1], T0, T0 + H, cpus=1, gpus=2, to=JobState.SUCCEEDED)  # 2 GPU-h of H100
+        plain = _job(s, "alice", created=T0)
+        _attempt(s, plain, T0, T0 + H, cpus=1, gpus=1, to=JobState.SUCCEEDED)  # 1 GPU-h of no type
+        r = usage.report(s, since=T0, until=UNTIL, now=NOW)
+    (row,) = r.rows
+    assert row.gpu_hours == 11.0 and row.gpu_hours_by_type == {"A100": 8.0, "H100": 2.0}
+    assert r.totals.gpu_hours_by_type == {"A100": 8.0, "H100": 2.0}

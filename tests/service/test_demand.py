@@ -381,3 +381,33 @@ def test_the_start_estimate_counts_the_time_new_nodes_took_lately(db: Engine, tm
         session.commit()
         got = estimate._compute(session, settings, now)[waiting].start
     assert got is not None and abs((got - now).total_seconds() - 15) < 0.01  # asked 5 s ago; room takes 20 s
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_the_upgrade_fills_in_the_accelerator_type_of_existing_jobs(kind: str, tmp_path: Path) -> None:
+    """Jobs stored before `jobs.accelerator_type` have it set from their stored spec (the field, as the spec of that
+    release could hold it), so their GPU-hours count by type after the upgrade."""
+    import contextlib
+
+    import sqlalchemy as sa
+
+    from service.store.db import make_engine
+    from service.store.migrate import upgrade
+    from service.store.models import Job
+    from tests.service.conftest import fresh_pg_database
+
+    with contextlib.ExitStack() as stack:
+        url = f"sqlite:///{tmp_path / 'old.db'}" if kind == "sqlite" else stack.enter_context(fresh_pg_database())
+        engine = make_engine(url)
+        stack.callback(engine.dispose)
+        upgrade(engine, "e5b3c7a9d1f2")  # the revision before
+        old = sa.Table("jobs", sa.MetaData(), autoload_with=engine)
+        assert "accelerator_type" not in old.c
+        typed = {"entrypoint": {"callable": "a:b"}, "resources": {"num_workers": 1, "accelerator_type": "A100"}}
+        rows = [Job(name="typed", owner="a", spec=typed), Job(name="plain", owner="a", spec={"entrypoint": {}})]
+        with engine.begin() as conn:
+            conn.execute(sa.insert(old), [{c.name: getattr(r, c.name) for c in old.c} for r in rows])
+        upgrade(engine)
+        with Session(engine) as session:
+            assert {j.name: j.accelerator_type for j in session.exec(select(Job)).all()} == {"typed": "A100",
+                                                                                             "plain": None}  # fmt: skip
