@@ -20,11 +20,11 @@ def repeatable(method: str, headers: Any) -> bool:
 
 
 def transient(exc: BaseException) -> bool:
-    from api.client import ApiError
-
-    if isinstance(exc, ApiError):
-        return exc.status_code in TRANSIENT_STATUS
-    return isinstance(exc, httpx.TransportError)
+    """No connection or a timeout (httpx's transport errors), or an answer (`api.client.ApiError`, known here by its
+    `status_code`) of 429, 502, 503 or 504."""
+    if isinstance(exc, httpx.TransportError):
+        return True
+    return getattr(exc, "status_code", None) in TRANSIENT_STATUS
 
 
 _backoff = wait_exponential_jitter(initial=0.25, max=4.0)

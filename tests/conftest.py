@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 from hypothesis import settings
 
 from service.backends.ray_local import LocalHead, ensure_local_head, stop_local_head
 from workers.warmup import use_interpreter_bin_first
+
+T = TypeVar("T")
+
+
+def in_a_loop_of_its_own(run: Callable[[], Coroutine[Any, Any, T]], timeout: float = 120) -> T:
+    """`asyncio.run(run())` on a thread of its own. The test's own thread may have an event loop left running on it
+    by an earlier test in the same xdist worker (Playwright's sync API, which tests/ui drive, runs one there), and
+    asyncio.run refuses to start under one: a test passed alone and failed after those."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(lambda: asyncio.run(run())).result(timeout=timeout)
+
 
 # Property tests assert behaviour, never time: no per-example deadline (Hypothesis' 200 ms default is a wall-clock
 # bound that a loaded CI core breaks; issue 34). A test's own @settings still sets its examples.

@@ -117,6 +117,7 @@ def test_profiles_completion_and_list_filters_with_paging(tmp_path: Path) -> Non
         assert run("list", SHUNTER_TOKEN="not-a-token").returncode == 1  # 401: the profile's token was not used
         assert "not in" in run("--profile", "nope", "list").stderr
     engine.dispose()
+    # The shell is named here: typer otherwise detects it from the parent process, which is `sh` under make/CI.
     for shell in ("bash", "zsh", "fish"):
-        shown = run("--show-completion", shell)
+        shown = run("--show-completion", shell, _TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION="1")
         assert shown.returncode == 0 and "complete" in shown.stdout.lower(), (shell, shown.stderr)

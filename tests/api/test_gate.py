@@ -6,17 +6,17 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import httpx
 import pytest
 from sqlalchemy.engine import Engine
 
 from api.gate import Full, Gate, Late, Place
-from tests.conftest import wait_for
+from tests.conftest import in_a_loop_of_its_own, wait_for
 from tests.live_api import live_api
 from tests.service import conftest as service_fixtures
 
@@ -40,13 +40,6 @@ ORDERS = [
     # a caller back after a turn waits behind one that has not had its turn
     (1, ["A+", "B+", "A+", "C+", "-A", "-B", "-C"], ["A", "B", "C", "A"]),
 ]
-
-
-def in_a_loop_of_its_own(run: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """`asyncio.run(run())` on a thread of its own: the test's thread may have an event loop left running on it by
-    an earlier test in the same worker (asyncio.run refuses to start under one)."""
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(lambda: asyncio.run(run())).result(timeout=120)
 
 
 async def settle() -> None:

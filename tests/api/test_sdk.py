@@ -27,6 +27,7 @@ from service.backends.ray_local import free_port
 from service.store.db import make_engine
 from service.store.migrate import upgrade
 from tests.api.conftest import GOOD
+from tests.conftest import in_a_loop_of_its_own
 from tests.live_api import live_api
 
 
@@ -122,6 +123,6 @@ def test_the_async_client_does_the_same(proxied: tuple[str, Flaky, str], tmp_pat
             assert (await c.validate(GOOD)).valid
             assert (await c.cancel(job.id)) and (await c.wait(job.id, timeout=30)).state == "CANCELLED"
 
-    asyncio.run(scenario())
+    in_a_loop_of_its_own(scenario)
     with Client(direct) as truth:
         assert len(truth.list().items) == 1  # the lost answer's retry made no second job
