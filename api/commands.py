@@ -34,7 +34,6 @@ from api.cli_common import (
 from api.client import ApiError, zip_directory
 from api.console import console, err
 from api.schemas import EventPublic
-from service.lifecycle import preflight_results
 
 app = typer.Typer(help="Talk to a shunter server.", no_args_is_help=True, add_completion=False)
 
@@ -153,6 +152,8 @@ def status(job_id: str, server: ServerOpt = DEFAULT_URL, token: TokenOpt = None,
         if value is not None:
             table.add_row(f"[bold]{key}[/bold]", escape(str(value)))
     current = next((a for a in attempts if a.number == job.attempt), None)
+    from service.lifecycle import preflight_results  # here: it imports the database layer, which no other command needs
+
     checked = preflight_results.summary(current.preflight) if current is not None else None
     if checked:
         table.add_row("[bold]preflight[/bold]", escape(f"attempt {job.attempt}: {checked}"))
