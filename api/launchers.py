@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 
 from api.console import console, err
 
@@ -160,10 +161,10 @@ def config_check(
         settings = Settings()
     except ValidationError as exc:
         for e in exc.errors():
-            err.print(f"[red]{'.'.join(str(p) for p in e['loc'])}[/red]: {e['msg']}")
+            err.print(f"[red]{'.'.join(str(p) for p in e['loc'])}[/red]: {e['msg']}", soft_wrap=True)
         raise typer.Exit(1) from exc
     except (ValueError, OSError) as exc:  # an unknown key, not a file, not YAML
-        err.print(f"[red]{exc}[/red]")
+        err.print(f"[red]{escape(str(exc))}[/red]", soft_wrap=True)  # one line each, whatever the terminal's width
         raise typer.Exit(1) from exc
     settings.quota_rules(), settings.fair_share_config(), settings.exclusion_rules()  # what admission builds from them
     console.print(f"{file}: ok ({len(settings.model_fields_set)} settings set here or in the environment)")
