@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import types
 import typing
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
@@ -29,7 +29,11 @@ class NoBoolNumbers(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, bool) and info.field_name and _numeric(cls.model_fields[info.field_name].annotation):
+        if (
+            isinstance(value, bool)
+            and info.field_name
+            and _numeric(cast(Any, cls.model_fields[info.field_name].annotation))
+        ):
             raise ValueError("must be a number, not true/false")
         return value
 

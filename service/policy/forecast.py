@@ -228,7 +228,7 @@ class _Feed:
         return min(times) if times else None
 
     def due(self, t: float, pending: _Queue) -> list[Waiter]:
-        out = []
+        out: list[Waiter] = []
         for i, a in enumerate(self._arrivals):
             while self._next[i] <= t:
                 at = self._next[i]

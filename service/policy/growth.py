@@ -17,6 +17,7 @@ that fit then. What caps the growth:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -63,7 +64,7 @@ def grow(
         if need > room:
             continue
         extra = replace(cand, num_workers=room, min_workers=need)
-        fitted, placed, _ = sized(extra, left, lambda total, c=cand: check(c, total))
+        fitted, placed, _ = sized(extra, left, functools.partial(_checked_for, check, cand))
         if placed is None:
             continue
         by_id = {n.node_id: n for n in left}
@@ -71,3 +72,10 @@ def grow(
             resources.take(by_id[node_id].free, cand.per_worker)
         out[cand.job_id] = job.size + fitted.num_workers
     return out
+
+
+def _checked_for(
+    check: Callable[[Candidate, dict[str, float]], str | None], cand: Candidate, total: dict[str, float]
+) -> str | None:
+    """`check` of one candidate, as `sized` asks it: by the group's total alone."""
+    return check(cand, total)

@@ -202,7 +202,7 @@ def check(
     """Why a job holding `total` would break a limit now, or None. `gpu_hours`: GPU-hours used in each quota's window
     by scope (only scopes whose quota sets `max_gpu_hours` are looked up)."""
     limit = limits.get(queue)
-    rules: list[tuple[Scope, Quota | QueueLimit | None]] = [
+    rules: list[tuple[Scope, Quota | None]] = [
         (("owner", owner), quotas.of_owner(owner)),
         (("team", team or ""), quotas.of_team(team)),
         (("queue-owner", queue, owner), limit.owner_quota if limit else None),

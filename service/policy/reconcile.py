@@ -191,7 +191,7 @@ def decide(
         # Ray Train's teardown and the driver's exit let Ray call the Ray Job ended, seconds later.
         reason = driver_end(job.state, attempt.recorded_end)
         return [*actions, Finish(reason, "the driver's own account", log_later=True)]
-    if dead_nodes and ray.driver_node_id in dead_nodes:
+    if dead_nodes and ray.driver_node_id is not None and ray.driver_node_id in dead_nodes:
         head = dead_nodes[ray.driver_node_id]
         lost = f"its driver's node {ray.driver_node_id[:12]} ({'the old head' if head else 'a worker'}) is dead"
         if job.state is JobState.CANCELLING:

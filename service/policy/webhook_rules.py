@@ -87,7 +87,7 @@ class Outcome:
 def backoff(attempts: int, policy: RetryPolicy, *, jitter: float) -> float:
     """Seconds before the next try after `attempts` failed ones: base x 2^(attempts-1) up to the cap, of which the
     upper half is spread by `jitter` in [0, 1] so that receivers coming back are not all retried at one moment."""
-    step = min(policy.cap_seconds, policy.base_seconds * 2 ** min(attempts - 1, 60))
+    step = min(policy.cap_seconds, policy.base_seconds * 2.0 ** min(attempts - 1, 60))
     return step / 2 + step / 2 * min(max(jitter, 0.0), 1.0)
 
 

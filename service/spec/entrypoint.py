@@ -4,7 +4,7 @@ script, the outputs shunter keeps and the option a retry resumes with. Part of t
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
@@ -23,7 +23,7 @@ _OUTPUT_PATH = re.compile(f"^{_OUTPUT_PART}(?:/{_OUTPUT_PART})*$")
 _RESUME_ARG = re.compile(r"^--?[A-Za-z0-9][A-Za-z0-9_.-]*$")
 MAX_OUTPUTS = 16
 MAX_OUTPUT_PATH = 256
-_ENTRYPOINT_ONE_OF = [
+_ENTRYPOINT_ONE_OF: Any = [
     {
         "title": "callable",
         "required": ["callable"],
