@@ -72,13 +72,9 @@ def bundles_of(per_worker: Mapping[str, float], workers: int, placement: str) ->
     return [dict(per_worker) for _ in range(workers)]
 
 
-def could_hold(cand: Candidate, node_types: Iterable[NodeType], cluster_total: Iterable[NodeFree] = ()) -> bool:
-    """Whether the cluster could ever hold the candidate's smallest group: on the nodes it has (their total room),
-    or on the declared node types at their maximum counts."""
-    least = cand if not cand.elastic else _sized(cand, cand.min_workers or 1)
-    nodes = [NodeFree(n.node_id, dict(n.free)) for n in cluster_total]
-    if place(least, nodes) is not None:
-        return True
+def could_hold(cand: Candidate, node_types: Iterable[NodeType]) -> bool:
+    """Whether the declared node types, at their maximum counts, could hold the candidate's smallest group."""
+    least = cand if not cand.elastic else replace(cand, num_workers=cand.min_workers or 1, min_workers=None)
     grown = [NodeFree(f"{t.name}-{i}", dict(t.resources)) for t in node_types for i in range(max(0, t.max))]
     return place(least, grown) is not None
 
@@ -95,10 +91,12 @@ def demand(
     wait for room (`waiting`: job id -> why it waits, from the admission pass). A job no declared node type could
     hold is left out (with node types declared, submission refuses such a job; one queued before they were declared
     waits with its reason). Nothing waiting for room: no request at all, so idle nodes can go."""
-    asked = [c for c in ordered if waits_for_room(waiting.get(c.job_id))]
-    if node_types:
-        asked = [c for c in asked if could_hold(c, node_types)]
-    asked = asked[: max(0, max_jobs)]
+    asked: list[Candidate] = []
+    for cand in ordered:  # in the admission pass: the first `max_jobs` that qualify, not every waiting job
+        if len(asked) >= max_jobs:
+            break
+        if waits_for_room(waiting.get(cand.job_id)) and (not node_types or could_hold(cand, node_types)):
+            asked.append(cand)
     if not asked:
         return Demand()
     out = Demand()
@@ -148,22 +146,3 @@ def accelerator_warning(res: Resources) -> str | None:
     return (f"resources.accelerator_type: {res.accelerator_type!r} is not one of Ray's accelerator names "
             f"(ray.util.accelerators: {', '.join(sorted(known)[:12])}, ...); it runs only on nodes that carry the "
             f"resource accelerator_type:{res.accelerator_type}")  # fmt: skip
-
-
-def nodes_missing(cand: Candidate, free: Iterable[NodeFree], node_types: Iterable[NodeType]) -> str:
-    """How a waiting job's need reads in its `state_reason`: which nodes it waits for, by type when one fits."""
-    per = ", ".join(f"{k} {v:g}" for k, v in sorted(cand.per_worker.items()))
-    fitting = [t for t in node_types if resources.fits(t.resources, cand.per_worker)]
-    if not fitting:
-        return f"room for {cand.num_workers} workers of {per}"
-    best = fitting[0]
-    each = max(1, resources.workers_fitting(best.resources, cand.per_worker))
-    left = cand.num_workers
-    for node in free:
-        left -= min(left, resources.workers_fitting(node.free, cand.per_worker))
-    count = -(-left // each) if left > 0 else 0
-    return f"{count} node(s) of type {best.name} for {cand.num_workers} workers of {per}"
-
-
-def _sized(cand: Candidate, workers: int) -> Candidate:
-    return replace(cand, num_workers=workers, min_workers=None)

@@ -25,10 +25,9 @@ from service.policy.demand import (
     could_hold,
     demand,
     may_preempt,
-    nodes_missing,
     waits_for_room,
 )
-from service.policy.scheduler import Candidate, NodeFree
+from service.policy.scheduler import Candidate
 from service.spec.job import JobSpec, Resources
 
 NOW = datetime(2030, 1, 1, tzinfo=timezone.utc)
@@ -75,23 +74,22 @@ def test_a_group_as_bundles(per: dict, workers: int, placement: str, bundles: li
 
 
 @pytest.mark.parametrize(
-    ("candidate", "types", "cluster", "holds"),
+    ("candidate", "types", "holds"),
     [
-        (cand("a", 2), [CPU2], [], True),
-        (cand("a", 6), [CPU2], [], True),  # 3 nodes of 2 CPUs at their max
-        (cand("a", 7), [CPU2], [], False),
-        (cand("a", 7, min_workers=2), [CPU2], [], True),  # an elastic group needs its min
-        (cand("a", 2, placement="strict_pack"), [CPU2], [], True),
-        (cand("a", 3, placement="strict_pack"), [CPU2], [], False),  # no node type holds 3 CPUs
-        (cand("a", 2, placement="strict_spread"), [T4], [], False),  # one t4 node at most
-        (cand("a", 1, per={"CPU": 1.0, "accelerator_type:T4": 0.001}), [CPU2, T4], [], True),
-        (cand("a", 2, per={"CPU": 1.0, "accelerator_type:T4": 0.001}), [CPU2, T4], [], False),
-        (cand("a", 1, per={"CPU": 1.0, "accelerator_type:H100": 0.001}), [CPU2, T4], [], False),
-        (cand("a", 7), [CPU2], [NodeFree("static", {"CPU": 8.0})], True),  # the nodes it has hold it
+        (cand("a", 2), [CPU2], True),
+        (cand("a", 6), [CPU2], True),  # 3 nodes of 2 CPUs at their max
+        (cand("a", 7), [CPU2], False),
+        (cand("a", 7, min_workers=2), [CPU2], True),  # an elastic group needs its min
+        (cand("a", 2, placement="strict_pack"), [CPU2], True),
+        (cand("a", 3, placement="strict_pack"), [CPU2], False),  # no node type holds 3 CPUs
+        (cand("a", 2, placement="strict_spread"), [T4], False),  # one t4 node at most
+        (cand("a", 1, per={"CPU": 1.0, "accelerator_type:T4": 0.001}), [CPU2, T4], True),
+        (cand("a", 2, per={"CPU": 1.0, "accelerator_type:T4": 0.001}), [CPU2, T4], False),
+        (cand("a", 1, per={"CPU": 1.0, "accelerator_type:H100": 0.001}), [CPU2, T4], False),
     ],
 )
-def test_what_the_node_types_could_hold(candidate: Candidate, types: list, cluster: list, holds: bool) -> None:
-    assert could_hold(candidate, types, cluster) is holds
+def test_what_the_node_types_could_hold(candidate: Candidate, types: list, holds: bool) -> None:
+    assert could_hold(candidate, types) is holds
 
 
 def test_the_demand_holds_the_running_groups_then_the_first_waiting_ones_in_admission_order() -> None:
@@ -117,12 +115,6 @@ def test_a_request_is_the_same_whatever_the_order_of_its_bundles() -> None:
     one = Demand([CPU1, {"GPU": 1.0}], ["a"])
     other = Demand([{"GPU": 1.0}, CPU1], ["b"])
     assert one.key() == other.key() and one.key() != Demand([CPU1], ["a"]).key()
-
-
-def test_a_waiting_jobs_need_in_nodes_of_a_type() -> None:
-    free = [NodeFree("n0", {"CPU": 1.0})]
-    assert nodes_missing(cand("a", 5), free, [CPU2]) == "2 node(s) of type cpu2 for 5 workers of CPU 1"
-    assert nodes_missing(cand("a", 2, per={"GPU": 1.0}), [], [CPU2]) == "room for 2 workers of GPU 1"
 
 
 def test_submission_refuses_a_group_no_node_type_can_hold() -> None:
