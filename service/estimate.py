@@ -230,27 +230,26 @@ def _compute(session: Session, settings: Settings, now: datetime) -> dict[str, S
 def scale_up_seconds(session: Session, queued: list[str]) -> tuple[dict[str, datetime], float | None]:
     """When each of `queued` had its room asked of the autoscaler, and how long new nodes took lately (the median
     of the last SCALE_SAMPLES `scale_requested` -> `capacity_arrived`; None with no such history)."""
-    asked: dict[str, datetime] = {}
-    for chunk in range(0, len(queued), 1000):
-        rows = session.exec(
-            select(JobEvent.job_id, func.max(JobEvent.at))
-            .where(col(JobEvent.job_id).in_(queued[chunk : chunk + 1000]), JobEvent.reason == "scale_requested")
-            .group_by(col(JobEvent.job_id))
-        ).all()
-        asked.update({job_id: at for job_id, at in rows})
     arrived = session.exec(
         select(JobEvent.job_id, JobEvent.at).where(JobEvent.reason == "capacity_arrived")
         .order_by(col(JobEvent.id).desc()).limit(SCALE_SAMPLES)
     ).all()  # fmt: skip
-    if not arrived:
-        return asked, None
-    first = dict(session.exec(
-        select(JobEvent.job_id, func.max(JobEvent.at)).where(
-            col(JobEvent.job_id).in_([j for j, _ in arrived]), JobEvent.reason == "scale_requested"
-        ).group_by(col(JobEvent.job_id))
-    ).all())  # fmt: skip
+    first = _asked_at(session, [job_id for job_id, _ in arrived])
     took = [(at - first[job_id]).total_seconds() for job_id, at in arrived if job_id in first]
-    return asked, (statistics.median(took) if took else None)
+    return _asked_at(session, queued), (statistics.median(took) if took else None)
+
+
+def _asked_at(session: Session, job_ids: list[str]) -> dict[str, datetime]:
+    """Each job's latest `scale_requested` event time, for those of `job_ids` that have one."""
+    out: dict[str, datetime] = {}
+    for chunk in range(0, len(job_ids), 1000):
+        rows = session.exec(
+            select(JobEvent.job_id, func.max(JobEvent.at))
+            .where(col(JobEvent.job_id).in_(job_ids[chunk : chunk + 1000]), JobEvent.reason == "scale_requested")
+            .group_by(col(JobEvent.job_id))
+        ).all()
+        out.update({job_id: at for job_id, at in rows})
+    return out
 
 
 def _duration(spec: JobSpec | None, ratio: float) -> float | None:

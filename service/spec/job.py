@@ -165,7 +165,6 @@ MAX_WORKERS = 4096
 # carries the resource `accelerator_type:<name>` (1), and a worker asks for a sliver of it, as Ray Train's
 # `ScalingConfig(accelerator_type=...)` does.
 ACCELERATOR_TYPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-ACCELERATOR_RESOURCE = "accelerator_type:"
 ACCELERATOR_SHARE = 0.001
 
 
@@ -239,7 +238,7 @@ class Resources(StrictModel):
         for key, amount in self.resources_per_worker.items():
             out[key] = float(parse_memory(amount)) if key == "memory" else float(amount)
         if self.accelerator_type is not None:
-            key = ACCELERATOR_RESOURCE + self.accelerator_type
+            key = resources.ACCELERATOR_PREFIX + self.accelerator_type
             out[key] = max(out.get(key, 0.0), ACCELERATOR_SHARE)
         return {k: v for k, v in out.items() if v > 0}
 
