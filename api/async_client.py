@@ -11,7 +11,6 @@ transient failure).
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -21,10 +20,8 @@ import httpx
 from tenacity import AsyncRetrying
 
 from api import retries as retries_
-from api.client import DEFAULT_EXCLUDES, _checked, zip_directory
+from api.client import DEFAULT_EXCLUDES, TERMINAL, _checked, with_working_dir, working_dir_excludes, zipped
 from api.schemas import ClusterPublic, EventPublic, JobList, JobPublic, Validated
-
-TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
 class AsyncClient:
@@ -66,14 +63,7 @@ class AsyncClient:
 
     async def upload_directory(self, directory: str | Path, *, excludes: Any = DEFAULT_EXCLUDES) -> dict[str, Any]:
         """Zip `directory` (in a thread: it reads files) and upload it; the answer's `uri` is a working_dir."""
-
-        def zipped() -> bytes:
-            with tempfile.TemporaryFile() as handle:
-                zip_directory(directory, handle, excludes=excludes)
-                handle.seek(0)
-                return handle.read()
-
-        archive = await asyncio.to_thread(zipped)
+        archive, _ = await asyncio.to_thread(zipped, directory, excludes=excludes)
         # An archive is stored by its content: sending it again stores nothing new.
         answer = await self._call("POST", "/v1/code", content=archive, headers={"Content-Type": "application/zip"},
                                   repeat=True)  # fmt: skip
@@ -82,10 +72,8 @@ class AsyncClient:
     async def submit_with_working_dir(
         self, spec: dict[str, Any], directory: str | Path, *, idempotency_key: str | None = None
     ) -> JobPublic:
-        runtime_env = dict(spec.get("runtime_env") or {})
-        excludes = [*DEFAULT_EXCLUDES, *(runtime_env.get("excludes") or [])]
-        runtime_env["working_dir"] = (await self.upload_directory(directory, excludes=excludes))["uri"]
-        return await self.submit({**spec, "runtime_env": runtime_env}, idempotency_key=idempotency_key)
+        uri = (await self.upload_directory(directory, excludes=working_dir_excludes(spec)))["uri"]
+        return await self.submit(with_working_dir(spec, uri), idempotency_key=idempotency_key)
 
     async def get(self, job_id: str) -> JobPublic:
         return JobPublic.model_validate(await self._call("GET", f"/v1/jobs/{job_id}"))

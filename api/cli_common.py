@@ -51,6 +51,9 @@ def _calling(server: str, token: str | None) -> Iterator[Client]:
 
 
 def _fail(exc: Exception) -> NoReturn:
+    """End the command with the error: an API answer's fields first (a spec's 422 names each), then its message."""
+    for e in (exc.body.get("errors") or []) if isinstance(exc, ApiError) else []:
+        err.print(f"[red]{escape(str(e['field']))}[/red]: {escape(str(e['message']))}")
     err.print(f"[red]error:[/red] {escape(str(exc))}")
     raise typer.Exit(1 if isinstance(exc, ApiError) and exc.status_code < 500 else 2)
 

@@ -117,6 +117,27 @@ def zip_directory(directory: str | Path, out: IO[bytes], *, excludes: Sequence[s
     return count
 
 
+TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")  # the states a job ends in
+
+
+def zipped(directory: str | Path, *, excludes: Sequence[str] = DEFAULT_EXCLUDES) -> tuple[bytes, int]:
+    """`directory` as `--working-dir` uploads it (`zip_directory`), and how many files the archive holds."""
+    with tempfile.TemporaryFile() as handle:
+        files = zip_directory(directory, handle, excludes=excludes)
+        handle.seek(0)
+        return handle.read(), files
+
+
+def working_dir_excludes(spec: dict[str, Any]) -> list[str]:
+    """What an upload of the spec's working dir leaves out: the defaults and its `runtime_env.excludes`."""
+    return [*DEFAULT_EXCLUDES, *((spec.get("runtime_env") or {}).get("excludes") or [])]
+
+
+def with_working_dir(spec: dict[str, Any], uri: str) -> dict[str, Any]:
+    """The spec running in the uploaded archive `uri` (its `runtime_env.working_dir`)."""
+    return {**spec, "runtime_env": {**(spec.get("runtime_env") or {}), "working_dir": uri}}
+
+
 class Client:
     """The REST API, typed (`api.schemas`). A GET, and a submit (which always carries an `Idempotency-Key`), is tried
     again after a transient failure (`api.retries`: no connection, a timeout, 429/502/503/504), `retries` more
@@ -170,19 +191,14 @@ class Client:
 
     def upload_directory(self, directory: str | Path, *, excludes: Sequence[str] = DEFAULT_EXCLUDES) -> dict[str, Any]:
         """Zip `directory` (minus `excludes`) and upload it; the answer's `uri` is a `runtime_env.working_dir`."""
-        with tempfile.TemporaryFile() as handle:
-            zip_directory(directory, handle, excludes=excludes)
-            handle.seek(0)
-            return self.upload_code(handle.read())
+        return self.upload_code(zipped(directory, excludes=excludes)[0])
 
     def submit_with_working_dir(
         self, spec: dict[str, Any], directory: str | Path, *, idempotency_key: str | None = None
     ) -> JobPublic:
         """`shunter submit --working-dir DIR`: upload DIR, submit the spec with its URI as runtime_env.working_dir."""
-        runtime_env = dict(spec.get("runtime_env") or {})
-        excludes = [*DEFAULT_EXCLUDES, *(runtime_env.get("excludes") or [])]
-        runtime_env["working_dir"] = self.upload_directory(directory, excludes=excludes)["uri"]
-        return self.submit({**spec, "runtime_env": runtime_env}, idempotency_key=idempotency_key)
+        uri = self.upload_directory(directory, excludes=working_dir_excludes(spec))["uri"]
+        return self.submit(with_working_dir(spec, uri), idempotency_key=idempotency_key)
 
     def get(self, job_id: str) -> JobPublic:
         return JobPublic.model_validate(self._call("GET", f"/v1/jobs/{job_id}"))
@@ -308,7 +324,7 @@ class Client:
         deadline = time.monotonic() + timeout
         while True:
             job = self.get(job_id)
-            if job.state in ("SUCCEEDED", "FAILED", "CANCELLED"):
+            if job.state in TERMINAL:
                 return job
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} still {job.state} after {timeout:.0f}s")

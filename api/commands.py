@@ -8,12 +8,10 @@ the rich progress display of `watch`.
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Annotated, Any
 
-import httpx
 import typer
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -26,18 +24,16 @@ from api.cli_common import (
     ServerOpt,
     TokenOpt,
     _calling,
-    _client,
     _fail,
     _load_spec,
     _print_json,
 )  # fmt: skip
-from api.client import ApiError, zip_directory
+from api.client import TERMINAL, working_dir_excludes, zipped
 from api.console import console, err
 from api.schemas import EventPublic
 
 app = typer.Typer(help="Talk to a shunter server.", no_args_is_help=True, add_completion=False)
 
-TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 STATUS_FIELDS = (
     "id", "name", "state", "state_reason", "position", "estimated_start", "attempt", "step", "loss",
     "latest_checkpoint", "end_reason", "last_error", "created_at", "started_at", "finished_at", "ray_submission_id",
@@ -74,22 +70,14 @@ def submit(
     if dry_run:
         _dry_run(spec, working_dir, server=server, token=token, as_json=as_json)
         return
-    with _client(server, token) as c:
+    with _calling(server, token) as c:
         try:
             if working_dir is None:
                 job = c.submit(spec, idempotency_key=idempotency_key)
             else:
                 job = c.submit_with_working_dir(spec, working_dir, idempotency_key=idempotency_key)
-        except ApiError as exc:
-            if exc.body.get("errors"):
-                for e in exc.body["errors"]:
-                    err.print(f"[red]{escape(str(e['field']))}[/red]: {escape(str(e['message']))}")
-            _fail(exc)
-            return
         except OSError as exc:  # --working-dir: not a folder, unreadable
             _fail(exc)
-        except httpx.HTTPError as exc:
-            _fail(RuntimeError(f"cannot reach the shunter API at {server}: {exc}"))
     if as_json:
         _print_json(job)
     else:
@@ -104,21 +92,11 @@ def _dry_run(spec: dict[str, Any], working_dir: Path | None, *, server: str, tok
     files = None
     if working_dir is not None:
         try:
-            with tempfile.TemporaryFile() as handle:
-                files = zip_directory(working_dir, handle)
+            _, files = zipped(working_dir, excludes=working_dir_excludes(spec))
         except OSError as exc:
             _fail(exc)
-    with _client(server, token) as c:
-        try:
-            said = c.validate(spec)
-        except ApiError as exc:
-            for e in exc.body.get("errors") or []:
-                err.print(f"[red]{escape(str(e['field']))}[/red]: {escape(str(e['message']))}")
-            _fail(exc)
-            return
-        except httpx.HTTPError as exc:
-            _fail(RuntimeError(f"cannot reach the shunter API at {server}: {exc}"))
-            return
+    with _calling(server, token) as c:
+        said = c.validate(spec)
     if as_json:
         _print_json(said.model_copy(update={"spec": said.spec | ({"working_dir_files": files} if files else {})}))
         return

@@ -9,9 +9,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from api.cli_common import DEFAULT_URL, JsonOpt, ServerOpt, TokenOpt, _calling, _fail, _load_spec, _print_json
-from api.client import ApiError
-from api.console import console, err
+from api.cli_common import DEFAULT_URL, JsonOpt, ServerOpt, TokenOpt, _calling, _load_spec, _print_json
+from api.console import console
 from api.sweep_schemas import SweepMember, SweepPublic
 
 app = typer.Typer(help="Sweeps and arrays: many jobs from one base spec.", no_args_is_help=True, add_completion=False)
@@ -28,12 +27,7 @@ def submit(
     """Queue every member of a sweep; prints the sweep's id."""
     request = _load_spec(file)
     with _calling(server, token) as c:
-        try:
-            sweep = c.submit_sweep(request, idempotency_key=idempotency_key)
-        except ApiError as exc:
-            for e in exc.body.get("errors") or []:
-                err.print(f"[red]{e['field']}[/red]: {e['message']}")
-            _fail(exc)
+        sweep = c.submit_sweep(request, idempotency_key=idempotency_key)
     if as_json:
         _print_json(sweep)
         return
