@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
-import weakref
 from datetime import datetime
 
 from sqlalchemy import func, insert, literal
 from sqlalchemy import select as sa_select
-from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
@@ -22,6 +19,7 @@ from service.policy import demand
 from service.spec.job import JobSpec
 from service.store import signals, spec_budget
 from service.store.db import base_engine
+from service.store.kept import KeptPerEngine
 from service.store.models import (
     Attempt,
     Checkpoint,
@@ -46,7 +44,15 @@ def spec_hash(spec: JobSpec, dumped: dict | None = None) -> str:
 
 
 SNAPSHOT_REUSE_SECONDS = 1.0  # a submission checks against a cluster snapshot read at most this long ago
-_shapes: weakref.WeakKeyDictionary[Engine, tuple[float, ClusterSnapshot | None]] = weakref.WeakKeyDictionary()
+
+
+def _read_shape(session: Session) -> ClusterSnapshot | None:
+    snap = session.get(ClusterSnapshot, 1)
+    # A detached copy: shared by the requests of the next second.
+    return None if snap is None else ClusterSnapshot(id=1, nodes=list(snap.nodes or []), total=dict(snap.total or {}))
+
+
+_shapes = KeptPerEngine(SNAPSHOT_REUSE_SECONDS, _read_shape)
 
 
 def cluster_shape(session: Session) -> ClusterSnapshot | None:
@@ -54,15 +60,7 @@ def cluster_shape(session: Session) -> ClusterSnapshot | None:
     the kept copy is SNAPSHOT_REUSE_SECONDS old. The stored one is already up to a dispatcher tick old, so a second
     more changes nothing a submission is told, and a burst of submissions reads it once a second, not once each (a
     round trip of a PostgreSQL submission's six). None (no dispatcher has stored one yet) is kept the same way."""
-    engine = base_engine(session.get_bind())
-    kept = _shapes.get(engine)
-    now = time.monotonic()
-    if kept is not None and now - kept[0] < SNAPSHOT_REUSE_SECONDS:
-        return kept[1]
-    snap = session.get(ClusterSnapshot, 1)
-    shape = None if snap is None else ClusterSnapshot(id=1, nodes=list(snap.nodes or []), total=dict(snap.total or {}))
-    _shapes[engine] = (now, shape)  # (a detached copy: shared by the requests of the next second)
-    return shape
+    return _shapes.get(session)
 
 
 def check_fits_cluster(spec: JobSpec, snapshot: ClusterSnapshot | None) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -15,7 +14,7 @@ from service.core.errors import InvalidSpec
 from service.policy import fairshare
 from service.policy.quotas import QueueLimit, QueueUsage, Quota, parse_queue_limit
 from service.spec.job import JobSpec
-from service.store.db import base_engine
+from service.store.kept import KeptPerEngine
 from service.store.models import ACTIVE_STATES, Job, JobState, QueueConfig, utcnow
 
 DEFAULT_QUEUE = "default"
@@ -61,9 +60,9 @@ def check_known(session: Session, settings: Settings, name: str, accelerator_typ
     """The queue exists (422 naming `queue`), and runs the spec's accelerator type if it is limited to some (422
     naming `resources.accelerator_type`). The API-set queues are read at most once a second per process (`_api_set`):
     not on each submission."""
-    api_set = _api_set(session)
+    api_set = _api_set.get(session)
     if name not in api_set and name != DEFAULT_QUEUE and name not in settings.queues:
-        api_set = _api_set(session, fresh=True)  # a queue set over the API just now is known at once
+        api_set = _api_set.get(session, fresh=True)  # a queue set over the API just now is known at once
     if name in api_set:
         kinds = api_set[name]
     elif name == DEFAULT_QUEUE or name in settings.queues:
@@ -77,22 +76,16 @@ def check_known(session: Session, settings: Settings, name: str, accelerator_typ
                           field="resources.accelerator_type")  # fmt: skip
 
 
-API_SET_REUSE_SECONDS = 1.0
-_api_sets: dict[Any, tuple[float, dict[str, list[str] | None]]] = {}
-
-
-def _api_set(session: Session, *, fresh: bool = False) -> dict[str, list[str] | None]:
-    """The queues set over the API (queues are never deleted), with their accelerator types: read again once the kept
-    copy is a second old, or when `fresh`. A queue's new accelerator types apply to submissions a second later at
-    most, as a dispatcher's view of the cluster does."""
-    engine = base_engine(session.get_bind())
-    kept, now = _api_sets.get(engine), time.monotonic()
-    if kept is not None and now - kept[0] < API_SET_REUSE_SECONDS and not fresh:
-        return kept[1]
+def _read_api_set(session: Session) -> dict[str, list[str] | None]:
     rows = session.exec(select(QueueConfig.name, QueueConfig.accelerator_types)).all()
-    found = {name: (list(kinds) if kinds else None) for name, kinds in rows}
-    _api_sets[engine] = (now, found)
-    return found
+    return {name: (list(kinds) if kinds else None) for name, kinds in rows}
+
+
+# The queues set over the API (queues are never deleted), with their accelerator types, read again once a second
+# (a queue's new accelerator types apply to submissions a second later at most, as a dispatcher's view of the
+# cluster does), or at once for a name not known yet.
+API_SET_REUSE_SECONDS = 1.0
+_api_set = KeptPerEngine(API_SET_REUSE_SECONDS, _read_api_set)
 
 
 @dataclass
