@@ -33,11 +33,3 @@ def request_resources(client: Any, gcs_address: str, bundles: list[dict[str, flo
         return "v1"
     except Exception as exc:  # noqa: BLE001 - the GCS client raises its own RpcError types
         raise InfraError(f"Ray's autoscaler at {gcs_address} did not take the request: {exc}") from exc
-
-
-def requested(client: Any) -> list[dict[str, float]] | None:
-    """The request v1's monitor reads now (None: none); for tests and `GET /v1/cluster`'s view of what was asked."""
-    from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
-
-    data = client.internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL, None)
-    return None if not data else list(json.loads(data))

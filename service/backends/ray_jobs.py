@@ -235,7 +235,8 @@ class RayJobs:
         """Ask Ray's autoscaler for room for `bundles`, replacing the last request ([]: withdrawn)."""
         if not self.gcs_address:
             raise InfraError("no GCS address is known: Ray's autoscaler cannot be asked for room")
-        self._cluster_from_gcs()  # the client, (re)made as cluster reads make it
+        if self._gcs is None:
+            self._cluster_from_gcs()  # the client, made (with its backoff) as the tick's cluster reads make it
         ray_autoscaler.request_resources(self._gcs, self.gcs_address, bundles)
 
     def _cluster_from_gcs(self) -> ClusterView:
