@@ -148,22 +148,25 @@ class Chaos:
             "SHUNTER_RAY_DASHBOARD_URL": self.head.dashboard_url,
             "SHUNTER_STORAGE_URI": str(self.work / "checkpoints"), "SHUNTER_DATA_DIR": str(self.work / name),
             "SHUNTER_DISPATCHER_TICK_SECONDS": "0.25", "SHUNTER_LEASE_SECONDS": "5",
-            "PYTHONUNBUFFERED": "1", **extra,
+            # Two dispatchers on one machine: the second would warn that the first has the metrics port.
+            "SHUNTER_DISPATCHER_METRICS_PORT": "0", "PYTHONUNBUFFERED": "1", **extra,
         })  # fmt: skip
         return env
 
     def start(self) -> None:
-        self.head.start()
         apis = []
         for i in (1, 2):
             port = free_port()
             env = self._env(f"api{i}", SHUNTER_PORT=str(port))
             api = Process(f"api{i}", [sys.executable, "-m", "api.cli", "api"], env, self.logs,
                           url=f"http://127.0.0.1:{port}")  # fmt: skip
-            api.start()
-            if i == 1:  # the first one creates the schema; the rest start against it
-                self._wait(api.ready, 90, "api1 ready")
             apis.append(api)
+        # The first API creates the schema while the head starts (it waits for Ray only to say it is ready); the
+        # rest start against that schema.
+        apis[0].start()
+        self.head.start()
+        self._wait(apis[0].ready, 90, "api1 ready")
+        apis[1].start()
         dispatchers = [
             Process(f"dispatcher{i}", [sys.executable, "-m", "api.cli", "dispatcher"],
                     self._env(f"dispatcher{i}", SHUNTER_PUBLIC_URL=str(apis[i - 1].url)), self.logs)
@@ -260,7 +263,7 @@ class Chaos:
         self._wait(not_ready_for_ray, 30, "an API's /readyz to say Ray is not ready")
         if not said[-1].startswith("not ready: Ray"):
             self.restart_problems.append(f"/readyz during the head restart did not name Ray: {said[-1]!r}")
-        time.sleep(self.rng.uniform(0.5, 3.0))
+        time.sleep(self.rng.uniform(0.5, 1.5))
         self.head.start()
         for api in self.processes[:2]:
             self._wait(api.ready, 90, f"{api.name} ready again after the head restart")
