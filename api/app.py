@@ -20,6 +20,7 @@ from api import docs, metrics
 from api.deps import RuntimeDep
 from api.gate import FairGate, Gate
 from api.limits import BodyLimit
+from api.routes import attempt_secrets as attempt_secrets_routes
 from api.routes import cluster as cluster_routes
 from api.routes import code as code_routes
 from api.routes import events as events_routes
@@ -28,6 +29,7 @@ from api.routes import job_logs as job_logs_routes
 from api.routes import jobs as jobs_routes
 from api.routes import notifications as notifications_routes
 from api.routes import queues as queues_routes
+from api.routes import secrets as secrets_routes
 from api.routes import sweeps as sweeps_routes
 from api.routes import ui as ui_routes
 from api.routes import usage as usage_routes
@@ -200,8 +202,10 @@ def create_app(
     app.include_router(usage_routes.router)
     app.include_router(sweeps_routes.router)
     app.include_router(code_routes.router)
+    app.include_router(secrets_routes.router)
     app.include_router(metrics.router)
     app.include_router(internal_routes.router)
+    app.include_router(attempt_secrets_routes.router)
     ui_routes.install(app)
     docs.install(app)
     return app

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from service.core.errors import InfraError
+from service.core.masking import Masker
 
 log = logging.getLogger(__name__)
 
@@ -284,3 +285,39 @@ def stored_tail(path: Path, size: int, lines: int, floor: int) -> int:
     """Where the last `lines` lines of the stored copy (at or after `floor`) start."""
     with open(path, "rb") as handle:
         return tail_offset(file_reader(handle), size, lines, floor=min(floor, size))
+
+
+class MaskedReader:
+    """A Ray log reader whose answers have the job's secret values starred out (`service.core.masking`): each read
+    or stream reaches `masker.reach` bytes past its ends, so a value cut by a range's edge is still found; every byte
+    stays where it was, and offsets read the same as unmasked."""
+
+    def __init__(self, reader: RayLogReader, masker: Masker) -> None:
+        self.reader, self.masker = reader, masker
+
+    def read(self, pos: int, n: int) -> bytes:
+        return self.masker.read(self.reader.read, pos, n)
+
+    def chunks(self, start: int, end: int) -> Iterator[bytes]:
+        if not self.masker or start >= end:
+            return self.reader.chunks(start, end)
+        wide_start = max(0, start - self.masker.reach)
+        inner = self.reader.chunks(wide_start, min(end + self.masker.reach, self.reader.view.size))
+        return _cut(self.masker.stream(inner), skip=start - wide_start, take=end - start, inner=inner)
+
+
+def _cut(chunks: Iterator[bytes], *, skip: int, take: int, inner: Iterator[bytes]) -> Iterator[bytes]:
+    try:
+        for chunk in chunks:
+            if skip:
+                chunk, skip = chunk[skip:], max(0, skip - len(chunk))
+            chunk = chunk[:take]
+            if chunk:
+                yield chunk
+                take -= len(chunk)
+            if not take:
+                return
+    finally:
+        close = getattr(inner, "close", None)
+        if close is not None:
+            close()

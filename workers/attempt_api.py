@@ -13,7 +13,7 @@ import math
 import sys
 import time
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
@@ -128,7 +128,7 @@ def finite_numbers(metrics: dict[str, Any]) -> dict[str, float]:
 @dataclass(frozen=True)
 class AttemptApi:
     url: str  # the API's base URL (SHUNTER_PROGRESS_URL)
-    token: str  # the attempt token (SHUNTER_ATTEMPT_TOKEN)
+    token: str = field(repr=False)  # the attempt token (never printed with the rest)
     job_id: str
     attempt: int
 
@@ -214,6 +214,14 @@ class AttemptApi:
     def end(self, reason: str, message: str, *, patience: float = 0.0) -> bool:
         body = {"reason": reason, "message": message[-8000:]}
         return bool(self._call("POST", "end", body, patience=patience)["recorded"])
+
+    def secrets(self, *, patience: float = SPEC_PATIENCE_SECONDS) -> dict[str, str]:
+        """The values of the secrets the job's spec names (this object holds the attempt token)."""
+        return {str(k): str(v) for k, v in self._call("GET", "secrets", patience=patience)["secrets"].items()}
+
+    def bootstrap(self, nonce: str, *, patience: float = SPEC_PATIENCE_SECONDS) -> str:
+        """The attempt token, for this object's bootstrap credential (held as its `token`) and the driver's nonce."""
+        return str(self._call("POST", "bootstrap", {"nonce": nonce}, patience=patience)["token"])
 
     def reported(self) -> bool:
         return bool(self._call("GET", "reported")["reported"])

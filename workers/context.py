@@ -1,8 +1,12 @@
 """What a process inside a shunter Ray Job knows about its job: the job id and attempt, and through them its spec.
 
-The dispatcher puts the job id, the attempt, the storage, the API's address and the attempt's token in the Ray Job's
-environment (`runtime_env.env_vars`), which Ray hands to the driver, the Train controller and every train worker
-alike. The spec itself is read once per process from the API (no size limit, and not shown in the Ray dashboard).
+The dispatcher puts the job id, the attempt, the storage, the API's address and a single-use bootstrap credential in
+the Ray Job's environment (`runtime_env.env_vars`), which Ray hands to the driver, the Train controller and every
+train worker alike, and shows in its dashboard. The driver trades the bootstrap for the attempt's token
+(`exchange_bootstrap`) and hands the token on as Ray task arguments (the progress callback, the train loop's
+arguments), never through that environment; each process then keeps it in its own (`adopt`), where the code below and
+a script's subprocesses find it. The spec itself is read once per process from the API (no size limit, and not shown
+in the Ray dashboard), and so are the job's secrets, by each rank before the job's code runs (`load_secrets`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ ENV_ATTEMPT = "SHUNTER_ATTEMPT"
 ENV_STORAGE = "SHUNTER_JOB_STORAGE"
 ENV_PROGRESS_URL = "SHUNTER_PROGRESS_URL"  # the shunter API the job reports to
 ENV_ATTEMPT_TOKEN = "SHUNTER_ATTEMPT_TOKEN"  # good only for this attempt's rows (service.tenancy.attempt_tokens)
+ENV_BOOTSTRAP = "SHUNTER_BOOTSTRAP"  # good once, for the attempt token (service.dispatch.submission)
 ENV_WORLD_SIZE = "SHUNTER_WORLD_SIZE"  # the workers admission gave this attempt
 # A reserved metric key: every report made through a `Prepared` (workers.strategies.prepare) names the strategy it
 # applied, so the Train callback can tell a loop that applied the spec's strategy from plain Ray Train code.
@@ -51,6 +56,41 @@ def attempt_api() -> AttemptApi | None:
     if not (url and token and job):
         return None
     return AttemptApi(url=url, token=token, job_id=job, attempt=attempt())
+
+
+def exchange_bootstrap() -> None:
+    """In the driver, before anything else asks the API: the attempt token for the bootstrap credential, kept in this
+    process's environment; the bootstrap leaves it. Raises AttemptApiError when the API refuses (a bootstrap used by
+    another, or an attempt already over): the attempt cannot report, so it must not train."""
+    import secrets
+
+    url, bootstrap, job = os.environ.get(ENV_PROGRESS_URL), os.environ.pop(ENV_BOOTSTRAP, None), job_id()
+    if not (url and bootstrap and job) or os.environ.get(ENV_ATTEMPT_TOKEN):
+        return
+    nonce = secrets.token_urlsafe(32)  # this driver's alone: its retries are not a copy's use
+    adopt(AttemptApi(url=url, token=bootstrap, job_id=job, attempt=attempt()).bootstrap(nonce))
+
+
+def credential() -> str | None:
+    """The attempt token this process holds, to hand to the ranks as a task argument."""
+    return os.environ.get(ENV_ATTEMPT_TOKEN)
+
+
+def adopt(token: str | None) -> None:
+    """Keep the attempt token where this process's reporting and a script's subprocesses look for it."""
+    if token:
+        os.environ[ENV_ATTEMPT_TOKEN] = token
+    os.environ.pop(ENV_BOOTSTRAP, None)  # used by the driver: no use to anyone here
+
+
+def load_secrets() -> list[str]:
+    """Set the job's secrets in this process's environment (a rank's, before the job's code runs); their names."""
+    api = attempt_api()
+    if api is None or not job_spec().secrets:
+        return []
+    values = api.secrets()
+    os.environ.update(values)
+    return sorted(values)
 
 
 def world_size(res: Resources) -> int:

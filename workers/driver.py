@@ -244,6 +244,11 @@ def main() -> int:
     TIMING["process_started"] = process_started_at()
     TIMING["driver_imported"] = time.time()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s shunter-driver %(levelname)s %(message)s")
+    try:
+        context.exchange_bootstrap()  # the attempt token, for the one-use credential Ray's records show
+    except Exception as exc:  # noqa: BLE001 - refused: it cannot report, so it must not train
+        log.error("could not trade this attempt's bootstrap credential for its token: %s", exc)
+        return 1
     if verify_code(context.attempt_api()) is not None:
         return 1
     TIMING["code_verified"] = time.time()

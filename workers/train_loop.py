@@ -10,7 +10,7 @@ import importlib
 import importlib.util
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from workers.stacks import register as register_stack_dump
@@ -27,7 +27,18 @@ def train_loop_for(spec: JobSpec) -> tuple[Callable[[dict[str, Any]], None], dic
     loop, config = _user_loop(spec)
     # Script mode says it started once every rank's script process is up (workers.script), not before.
     checks = spec.preflight.model_dump(mode="json")
-    return functools.partial(run_loop, loop=loop, announce=not spec.entrypoint.script, preflight=checks), config
+    # The attempt token rides with the loop, as a Ray task argument: never in the environment Ray's records show.
+    from workers.context import credential
+
+    return functools.partial(run_loop, loop=loop, announce=not spec.entrypoint.script, preflight=checks,
+                             token=Token(credential())), config  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Token:
+    """The attempt token as an argument: its repr, in a traceback or Ray's task listing, does not show it."""
+
+    value: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,7 @@ def run_loop(
     loop: Callable[..., Any] | UserCallable,
     announce: bool = True,
     preflight: dict[str, Any] | None = None,
+    token: Token | None = None,
 ) -> Any:
     """Run the job's own train loop on this worker, after the pre-flight check (`workers.preflight`, when the spec's
     `preflight` is enabled), after rank 0 has reported the checkpoint it resumes from and, with `announce`, that every
@@ -59,10 +71,14 @@ def run_loop(
     argument). A loop stopped by a drain notice returns `workers.drain.drained`; one that returns on its own then
     says so (`workers.progress.announce_finished`), which is the word the attempt succeeds on. First of all, the
     working directory is checked against the code archive the service recorded (`workers.proof.verify_code`):
-    StorageTampered, and nothing of the job's is imported."""
+    StorageTampered, and nothing of the job's is imported. Before that, the rank keeps the attempt token the driver
+    gave it (`token`), and after it, sets the job's secrets in its environment (`workers.context.load_secrets`)."""
+    from workers import context
     from workers.proof import verify_code
 
+    context.adopt(token.value if token else None)  # the attempt's token, from the driver (a task argument)
     verify_code()  # this node's working directory is the owner's code archive, before any of it is imported
+    context.load_secrets()  # the job's secrets in this rank's environment, before any of its code runs
     if isinstance(loop, UserCallable):
         loop = loop.resolve()  # the job's own code, imported here first (a bad name fails every rank: user_error)
     register_stack_dump()  # SIGUSR1 prints this worker's stacks into the attempt's log (a stall: workers.stacks)

@@ -19,6 +19,7 @@ from api.deps import CallerDep, RuntimeDep, SessionDep
 from api.gate import step_aside
 from api.logs import (
     FOLLOW_READ_MAX,
+    MaskedReader,
     RayLogReader,
     RayLogs,
     byte_range,
@@ -45,6 +46,7 @@ from service.dispatch.host_files import HostFiles
 from service.lifecycle import jobs
 from service.runtime import Runtime
 from service.store.models import Attempt, Job, JobState
+from service.tenancy.secret_store import masker_for
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=ERROR_RESPONSES)
@@ -144,7 +146,8 @@ def job_logs(
         view = None  # an ended attempt whose log was not kept: what there is, is nothing
     if view is None:  # Ray has no such submission: not submitted yet (the row is written first), or its log is gone
         return Response(b"", media_type=TEXT, headers={"X-Next-Offset": "0"})
-    reader = RayLogReader(runtime.ray, view, block)
+    # The job's secret values are starred out of what Ray has (shunter's copy was, when it was kept).
+    reader = MaskedReader(RayLogReader(runtime.ray, view, block), masker_for(runtime.engine, runtime.settings, job.id))
     start, end = byte_range(reader.read, view.size, offset=offset, tail=tail, limit=limit_bytes)
     return StreamingResponse(started(reader.chunks(start, end)), media_type=TEXT, headers={"X-Next-Offset": str(end)})
 
@@ -245,7 +248,8 @@ async def _follow(
                 log.warning("log follow of %s: %s", row.submission_id, exc.detail)
                 view = None
             if view is not None:
-                reader = RayLogReader(runtime.ray, view, block)
+                masker = await asyncio.to_thread(masker_for, runtime.engine, runtime.settings, job_id)
+                reader = MaskedReader(RayLogReader(runtime.ray, view, block), masker)
                 try:
                     if pending_tail is not None:
                         floor = min(sent, view.size)

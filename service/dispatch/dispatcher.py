@@ -56,6 +56,7 @@ from service.store import signals
 from service.store.db import JOB_DATA_ERRORS, session_scope
 from service.store.models import Attempt, Checkpoint, ClusterSnapshot, EndReason, Job, JobState, utcnow
 from service.store.spec_cache import SpecCache, stored_size
+from service.tenancy.secret_store import masker_for
 
 log = logging.getLogger(__name__)
 STOP_RESEND_SECONDS = 5.0
@@ -85,7 +86,8 @@ class Dispatcher(Finishing, HostEffects):
         self._dead_nodes: dict[str, bool] = {}  # from the last cluster read (service.policy.reconcile.decide)
         self.nodes = NodeHistory()  # which nodes went draining or dead, and when (bears out node_draining ends)
         self.late = LateLogs(engine=engine, ray=ray, files=self.files, owner=owner,
-                             linger_seconds=settings.driver_linger_seconds)  # fmt: skip
+                             linger_seconds=settings.driver_linger_seconds,
+                             mask=lambda job_id: masker_for(engine, settings, job_id))  # fmt: skip
         self.waker: signals.Waker | None = None  # signals between ticks, while `run` runs (service.store.signals)
 
     # ---- the loop -------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from service.dispatch.host_files import HostFault
 from service.lifecycle.state import record_event
 from service.store.db import session_scope
 from service.store.models import Attempt, EventKind, Job
+from service.tenancy.secret_store import masker_for
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,10 @@ class HostEffects:
         """Copy the attempt's driver log out of Ray, so it stays readable after the cluster is gone."""
         try:
             chunks = self.ray.log_stream(attempt.submission_id, 0, None)  # by range: never the whole log held
-            return None if chunks is None else self.files.keep_log_chunks(job.id, attempt.number, chunks)
+            if chunks is None:
+                return None
+            masked = masker_for(self.engine, self.settings, job.id).stream(chunks)  # its secrets' values starred out
+            return self.files.keep_log_chunks(job.id, attempt.number, masked)
         except InfraError:
             return None
 

@@ -26,6 +26,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from service.core.errors import InfraError
+from service.core.masking import NOTHING, Masker
 from service.dispatch.host_files import HostFault, HostFiles
 from service.lifecycle.state import record_event
 from service.store.db import session_scope
@@ -47,8 +48,9 @@ class Pending:
 
 
 class LateLogs:
-    def __init__(self, *, engine: Engine, ray: Any, files: HostFiles, owner: str, linger_seconds: float) -> None:
-        self.engine, self.ray, self.files, self.owner = engine, ray, files, owner
+    def __init__(self, *, engine: Engine, ray: Any, files: HostFiles, owner: str, linger_seconds: float,
+                 mask: Callable[[str], Masker] = lambda _job: NOTHING) -> None:  # fmt: skip
+        self.engine, self.ray, self.files, self.owner, self.mask = engine, ray, files, owner, mask
         self.linger_seconds = linger_seconds
         self.pending: dict[int, Pending] = {}
 
@@ -97,7 +99,9 @@ class LateLogs:
         if info is not None:
             try:
                 chunks = self.ray.log_stream(item.submission_id, 0, None)  # by range: one chunk held at a time
-                log_uri = None if chunks is None else self.files.keep_log_chunks(item.job_id, item.number, chunks)
+                if chunks is not None:  # kept with the job's secret values starred out
+                    masked = self.mask(item.job_id).stream(chunks)
+                    log_uri = self.files.keep_log_chunks(item.job_id, item.number, masked)
             except (InfraError, HostFault) as exc:
                 log.warning("job %s: could not keep the log of attempt %d: %s", item.job_id, item.number, exc)
         with session_scope(self.engine) as session:

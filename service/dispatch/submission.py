@@ -1,8 +1,9 @@
 """The Ray Job for one attempt: `python -m workers.driver`, with where and how to report in its environment.
 
 A job runs users' code, and its runtime_env shows in the Ray dashboard: it carries nothing of the service's (no
-database URL, API token, progress secret or cloud key), only the attempt's own token (`service.tenancy.attempt_tokens`)
-and the API's address, through which the job reads its spec and reports its progress.
+database URL, API token, progress secret or cloud key) nor the job's secrets (names or values), only a single-use
+bootstrap credential (`service.tenancy.attempt_tokens`), which the driver trades for the attempt's token, and the API's
+address, through which the job reads its spec and secrets and reports its progress.
 
 Everything here reads the job's own input (its spec, its resume id); what is wrong there raises `InvalidSpec`
 naming the field, and the dispatcher ends that job as a user error. Nothing here talks to Ray.
@@ -57,6 +58,7 @@ def resume_uri(session: Session, job: Job, spec: JobSpec) -> str | None:
 EXCLUDED_NODES_ENV = "SHUNTER_EXCLUDED_NODES"  # Ray node ids, comma-separated (workers.driver reads it)
 CODE_DIGEST_ENV = "SHUNTER_CODE_DIGEST"  # what the working_dir archive unpacks to (workers.proof reads it)
 CODE_URI_ENV = "SHUNTER_CODE_URI"
+BOOTSTRAP_ENV = "SHUNTER_BOOTSTRAP"  # workers.context.exchange_bootstrap reads it
 
 
 def build(
@@ -84,7 +86,9 @@ def build(
             "SHUNTER_ATTEMPT": str(job.attempt),
             "SHUNTER_JOB_STORAGE": job_storage(spec, settings),
             "SHUNTER_PROGRESS_URL": progress_url(settings),
-            "SHUNTER_ATTEMPT_TOKEN": attempt_tokens.issue(job.id, job.attempt, key),
+            # Not the attempt token: the dashboard shows this environment. The driver trades this for the token,
+            # once (a copy is then worth nothing), and hands the token to the ranks as Ray task arguments.
+            BOOTSTRAP_ENV: attempt_tokens.issue(job.id, job.attempt, key, prefix=attempt_tokens.BOOTSTRAP),
             # The size admission gave this attempt (an elastic job's is within its range).
             "SHUNTER_WORLD_SIZE": str(spec.resources.workers(job.world_size)),
         }

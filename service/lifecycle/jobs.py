@@ -32,7 +32,7 @@ from service.store.models import (
     utcnow,
 )
 from service.store.spec_cache import stored_size
-from service.tenancy import auth, code_archives, modes
+from service.tenancy import auth, code_archives, modes, secret_store
 from service.tenancy.auth import Caller
 from service.workflows import dependencies, notifications
 
@@ -160,6 +160,7 @@ def submit(
     size = stored_size(dumped)
     if settings is not None:  # what the spec asks is valid (422s first); now what it would hold and use
         code_archives.use_named(session, spec, settings, owner=caller.owner)
+        secret_store.check_named(session, spec.secrets, owner=caller.owner, team=caller.team)
         tally = spec_tally or spec_budget.Tally.read(session, settings, owner=caller.owner, field="spec")
         tally.add(size)
     job = Job(

@@ -34,6 +34,7 @@ from service.spec.depends_on import (
 )
 from service.spec.entrypoint import Entrypoint
 from service.spec.notify import MAX_TARGETS, NotifyTarget
+from service.spec.secret_names import MAX_SECRETS, SecretName, conflict
 from service.spec.strategy import StrategySpec, check_finite
 
 # Matched with fullmatch: `$` would also accept a trailing newline.
@@ -335,6 +336,7 @@ class JobSpec(StrictModel):
         description="webhooks told of this job's state changes (service.workflows.notifications); each secret is "
         "write-only",
     )  # fmt: skip
+    secrets: list[SecretName] = Field([], max_length=MAX_SECRETS, description="kept secrets each rank gets as env vars")
 
     @field_validator("name")
     @classmethod
@@ -364,6 +366,9 @@ class JobSpec(StrictModel):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> JobSpec:
+        secrets_problem = conflict(self.secrets, self.runtime_env)
+        if secrets_problem:
+            raise field_error(*secrets_problem, None)
         deps_problem = dependency_problem(self.depends_on)
         if deps_problem:
             raise field_error(("depends_on", *deps_problem[0]), deps_problem[1], None)

@@ -153,6 +153,9 @@ class Attempt(SQLModel, table=True):
     # Rows this attempt's own reports wrote (metric points, checkpoint records, their events): capped by
     # `Settings.attempt_max_rows` (service.lifecycle.reports).
     rows_written: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    # SHA-256 of the nonce the driver sent with the attempt's bootstrap credential, once used (issue 38): used by
+    # another, or again with another nonce, it is refused (api/routes/internal.py, `bootstrap`).
+    bootstrap_nonce: str | None = Field(default=None, max_length=64)
 
 
 class JobEvent(SQLModel, table=True):
@@ -352,3 +355,30 @@ class CodeArchive(SQLModel, table=True):
     # (service.tenancy.code_proof).
     tree: dict[str, str] | None = Field(default=None, sa_column=Column(JSON))
     tree_sha256: str | None = Field(default=None, max_length=64)
+
+
+class Secret(SQLModel, table=True):
+    """A secret's value, encrypted (`service.tenancy.secret_store`): an owner's, a team's or the cluster's (`scope`;
+    `holder` is the owner or team name, "" for the cluster). A job's spec names it; its value reaches only the ranks of
+    that owner's jobs, in their environment."""
+
+    __tablename__ = "secrets"
+    __table_args__ = (Index("ux_secrets_name", "scope", "holder", "name", unique=True),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    scope: str = Field(max_length=8)  # owner, team or cluster
+    holder: str = Field(max_length=128)
+    name: str = Field(max_length=128)
+    ciphertext: str = Field(sa_column=Column(Text, nullable=False))
+    updated_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime(), nullable=False))
+    updated_by: str = Field(max_length=128)
+
+
+class SecretKey(SQLModel, table=True):
+    """The key secrets are encrypted with when `SHUNTER_SECRETS_KEY` is unset: made once, shared by every process."""
+
+    __tablename__ = "secret_keys"
+
+    kid: str = Field(primary_key=True, max_length=32)
+    key: str = Field(sa_column=Column(Text, nullable=False))
+    created_at: datetime = Field(default_factory=utcnow, sa_column=Column(UTCDateTime(), nullable=False))

@@ -54,6 +54,9 @@ from service.store.db import base_engine, session_scope
 from service.store.models import ProgressKey, utcnow
 
 PREFIX = "sat1"
+# The one credential a Ray Job's runtime_env carries (issue 38): the dashboard shows it, so it buys the attempt token
+# once, for the driver that sends it first (api/routes/internal.py, `bootstrap`), and nothing else.
+BOOTSTRAP = "sbt1"
 MAX_TOKEN_CHARS = 512
 CACHE_SECONDS = 30.0  # how long a process keeps the stored keys before reading the table again
 ACTIVATION_DELAY_SECONDS = 3 * CACHE_SECONDS  # a rotated-in key signs only once every process accepts it
@@ -83,26 +86,28 @@ def _mac(key: str, signed: str) -> bytes:
     return hmac.new(key.encode(), signed.encode(), hashlib.sha256).digest()
 
 
-def issue(job_id: str, attempt: int, key: str) -> str:
-    """The token of attempt `attempt` of job `job_id`, signed with `key`."""
+def issue(job_id: str, attempt: int, key: str, *, prefix: str = PREFIX) -> str:
+    """The token of attempt `attempt` of job `job_id`, signed with `key` (with `prefix=BOOTSTRAP`: its bootstrap
+    credential, which only the bootstrap exchange takes)."""
     if not _JOB_ID.fullmatch(job_id) or isinstance(attempt, bool) or attempt < 1:
         raise ValueError(f"cannot issue a token for job {job_id!r} attempt {attempt!r}")
     payload = _b64(json.dumps({"j": job_id, "a": attempt}, separators=(",", ":")).encode())
-    signed = f"{PREFIX}.{key_id(key)}.{payload}"
+    signed = f"{prefix}.{key_id(key)}.{payload}"
     return f"{signed}.{_b64(_mac(key, signed))}"
 
 
-def verify(token: str, keys: Iterable[str]) -> tuple[str, int]:
+def verify(token: str, keys: Iterable[str], *, prefix: str = PREFIX) -> tuple[str, int]:
     """(job id, attempt) of a token signed by one of `keys` (the current key and the previous ones), else
-    `InvalidToken`. Signatures are compared in constant time."""
+    `InvalidToken`. Signatures are compared in constant time. The prefix is signed: a bootstrap credential is not an
+    attempt token, nor the other way round."""
     if not isinstance(token, str) or len(token) > MAX_TOKEN_CHARS:
         raise InvalidToken("not a token")
     parts = token.split(".")
-    if len(parts) != 4 or parts[0] != PREFIX:
+    if len(parts) != 4 or parts[0] != prefix:
         raise InvalidToken("not a token")
     _, kid, payload, signature = parts
     presented = _unb64(signature)
-    signed = f"{PREFIX}.{kid}.{payload}"
+    signed = f"{prefix}.{kid}.{payload}"
     valid = False
     for key in keys:
         if key and key_id(key) == kid:  # the key id is public: only the signature needs a constant-time compare

@@ -314,7 +314,11 @@ def test_submission_env_carries_no_service_secret(db: Engine, tmp_path: Path, mo
     assert env["SHUNTER_JOB_ID"] == job.id and env["SHUNTER_ATTEMPT"] == "2"
     assert env["AWS_REGION"] == "eu-west-1"
     keys = attempt_tokens.keys_for(db, settings)
-    assert verify(env["SHUNTER_ATTEMPT_TOKEN"], keys.accepted) == (job.id, 2)
+    # Not the attempt token (Ray's dashboard shows this environment): a one-use credential the driver trades for it.
+    assert "SHUNTER_ATTEMPT_TOKEN" not in env and "sat1." not in dumped
+    assert verify(env["SHUNTER_BOOTSTRAP"], keys.accepted, prefix=attempt_tokens.BOOTSTRAP) == (job.id, 2)
+    with pytest.raises(attempt_tokens.InvalidToken):
+        verify(env["SHUNTER_BOOTSTRAP"], keys.accepted)  # it is no attempt token
     # The stored-key mode puts no key in the env either.
     monkeypatch.delenv("SHUNTER_PROGRESS_SECRET")
     attempt_tokens.forget_cached_keys()
