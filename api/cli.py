@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from api import commands, launchers, profiles, report_commands, sweep_commands
+from api import commands, launchers, profiles, report_commands, secret_commands, sweep_commands
 
 # Completion for bash, zsh and fish: `shunter --install-completion`, or `--show-completion <shell>` to print it.
 app = typer.Typer(help="shunter: a durable queue in front of Ray Train.", no_args_is_help=True)
@@ -40,6 +40,7 @@ for part in (launchers.app, commands.app, report_commands.app):
     app.registered_commands.extend(part.registered_commands)
     app.registered_groups.extend(part.registered_groups)
 app.add_typer(sweep_commands.app, name="sweep")  # a named group: fine on typer 0.12
+app.add_typer(secret_commands.app, name="secret")
 app.add_typer(launchers.config_app, name="config")
 
 

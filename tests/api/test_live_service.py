@@ -7,7 +7,9 @@ Prometheus counters, the cluster view and the new CLI commands; then the logs ar
 
 from __future__ import annotations
 
+import hashlib
 import json
+import secrets
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +25,7 @@ from api.schemas import EventPublic
 from service.backends.ray_jobs import RayJobs
 from service.backends.ray_local import LocalHead, free_port
 from service.config.settings import Settings
+from service.core.masking import Masker
 from service.runtime import Runtime
 from tests.api.conftest import TOKENS
 from tests.conftest import wait_for
@@ -79,7 +82,13 @@ def maps_torch(job_id: str, process: str) -> bool | None:
 def test_job_seen_through_every_view(secured: Service, ray_head: LocalHead) -> None:
     alice, bob, root = (Client(secured.url, token=t) for t in ("tok-alice", "tok-bob", "tok-root"))
     before = samples(alice.prometheus())
-    job = alice.submit(SPEC)
+    # The job names a secret of alice's (issue 38): each rank checks it has the value, and prints it.
+    value = f"hf_{secrets.token_hex(12)}"
+    alice.put_secret("MLP_SECRET", value)
+    digest = hashlib.sha256(value.encode()).hexdigest()
+    config = {**SPEC["config"], "secret_name": "MLP_SECRET", "secret_sha256": digest}
+    job = alice.submit({**SPEC, "entrypoint": {"callable": "tests.workers.loops:mlp_with_secret"}, "config": config,
+                        "secrets": ["MLP_SECRET"]})  # fmt: skip
 
     streamed: list[EventPublic] = []
     followed: list[str] = []
@@ -98,6 +107,14 @@ def test_job_seen_through_every_view(secured: Service, ray_head: LocalHead) -> N
         found = wait_for(lambda p=process: running() and maps_torch(job.id, p) is not None, timeout=30,
                          what=f"the attempt's {process} while the job runs")  # fmt: skip
         assert found and maps_torch(job.id, process) is not True, f"the attempt's {process} imported torch"
+    # Ray's record of the attempt (what its dashboard shows) holds neither the value nor the attempt token, and the
+    # bootstrap credential it does hold was used by the driver: a copy buys nothing.
+    record = httpx.get(f"{ray_head.dashboard_url}/api/jobs/shunter-{job.id}-1", timeout=10)
+    assert value not in record.text and "SHUNTER_ATTEMPT_TOKEN" not in record.text and "sat1." not in record.text
+    bootstrap = record.json()["runtime_env"]["env_vars"]["SHUNTER_BOOTSTRAP"]
+    copied = httpx.post(f"{secured.url}/internal/v1/attempts/{job.id}/1/bootstrap", json={"nonce": "c" * 43},
+                        headers={"Authorization": f"Bearer {bootstrap}"}, timeout=10)  # fmt: skip
+    assert copied.status_code == 403 and "used already" in copied.text, copied.text
     # While it runs its log is Ray's: a ranged read asks the driver node's agent for those bytes only (issue 35, item
     # 11), the same bytes as the copy kept at its end (checked below).
     ranged = httpx.get(f"{secured.url}/v1/jobs/{job.id}/logs", params={"offset": 3, "limit_bytes": 64},
@@ -133,14 +150,25 @@ def test_job_seen_through_every_view(secured: Service, ray_head: LocalHead) -> N
                     what="the attempt's log kept once Ray's job ended")  # fmt: skip
     assert kept.end_reason == "succeeded"
     assert "done: 30 steps" in (secured.data_dir / "logs" / job.id / "attempt-1.log").read_text()
+    # The ranks printed the secret; the kept log has it starred out, and no answer about the job holds it.
+    kept_text = (secured.data_dir / "logs" / job.id / "attempt-1.log").read_text()
+    assert value not in kept_text and f"rank sees MLP_SECRET={'*' * len(value)}" in kept_text
+    answers = [httpx.get(f"{secured.url}{path}", headers={"Authorization": "Bearer tok-alice"}, timeout=30).text
+               for path in (f"/v1/jobs/{job.id}", f"/v1/jobs/{job.id}/events", f"/v1/jobs/{job.id}/logs",
+                            f"/v1/jobs/{job.id}/attempts", "/v1/secrets", f"/ui/jobs/{job.id}")]  # fmt: skip
+    assert [a[:200] for a in answers if value in a] == []
+    ray_jobs = httpx.get(f"{ray_head.dashboard_url}/api/jobs/", timeout=10).text
+    assert value not in ray_jobs and "sat1." not in ray_jobs
     kept_bytes = (secured.data_dir / "logs" / job.id / "attempt-1.log").read_bytes()
     assert kept_bytes[3 : 3 + len(ranged.content)] == ranged.content
-    assert running_head is not None and running_head.data and kept_bytes.startswith(running_head.data)
+    starred = Masker([value]).mask  # Ray's own copy has the value; shunter's has it starred out, byte for byte
+    assert running_head is not None and running_head.data and kept_bytes.startswith(starred(running_head.data))
     assert direct.driver_logs._down_until == {}  # read from the driver node's agent, by range
     # The fallback: with that agent taken as out of reach, the head's state API gives the same bytes.
     direct.driver_logs._down_until[ray_job["driver_agent_http_address"].rstrip("/")] = float("inf")
     through_head = direct.log_range(f"shunter-{job.id}-1", 1, 100)
-    assert through_head is not None and (through_head.data, through_head.size) == (kept_bytes[1:101], len(kept_bytes))
+    assert through_head is not None
+    assert (starred(through_head.data), through_head.size) == (kept_bytes[1:101], len(kept_bytes))
     direct.close()
     # The attempt's Ray Job started Ray Train's controller, workers and the helper it uses, and neither helper actor
     # that an attempt has no use for (workers.lean_trainer): no DatasetManager, no detached PlacementGroupCleaner; nor

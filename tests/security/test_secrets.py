@@ -119,7 +119,8 @@ def test_a_spec_names_only_secrets_its_owner_may_use_and_never_holds_a_value(api
     assert "HF_TOKEN is also set in runtime_env.env_vars" in both.json()["detail"]
     # No answer about the job holds the value: the job, the list with specs, its events, the web page.
     job_id = job.json()["id"]
-    answers = [call(api, "GET", f"/v1/jobs/{job_id}"), call(api, "GET", "/v1/jobs", params={"include": "spec", "limit": 10}),
+    answers = [call(api, "GET", f"/v1/jobs/{job_id}"),
+               call(api, "GET", "/v1/jobs", params={"include": "spec", "limit": 10}),
                call(api, "GET", f"/v1/jobs/{job_id}/events"), call(api, "GET", "/ui"),
                call(api, "GET", f"/ui/jobs/{job_id}")]  # fmt: skip
     assert answers[0].json()["spec"]["secrets"] == ["HF_TOKEN", "SHARED"]
@@ -275,3 +276,22 @@ def test_a_masked_range_or_stream_is_the_same_bytes_as_the_masked_whole(values: 
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
     chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     assert b"".join(masker.stream(iter(chunks))) == whole
+
+
+def test_the_cli_keeps_a_secret_from_standard_input_and_lists_names_only(api: LiveApi) -> None:
+    import subprocess
+    import sys
+
+    def cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "api.cli", "secret", *args, "--server", api.url, "--token", ALICE]
+        return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=60, check=False)
+
+    kept = cli("set", "HF_TOKEN", stdin=VALUE + "\n")  # the value never on the command line
+    assert kept.returncode == 0 and "kept secret HF_TOKEN for alice" in kept.stdout, kept.stderr
+    assert api.attempt_api(running_job(api.engine, "alice", {**SPEC, "secrets": ["HF_TOKEN"]}).id).secrets() == {
+        "HF_TOKEN": VALUE}  # fmt: skip
+    listed = cli("list", "--json")
+    assert [s["name"] for s in json.loads(listed.stdout)] == ["HF_TOKEN"] and VALUE not in listed.stdout
+    refused = cli("set", "SHUNTER_X", stdin="v" * 8)
+    assert refused.returncode != 0 and "name" in refused.stderr + refused.stdout
+    assert cli("delete", "HF_TOKEN").returncode == 0 and json.loads(cli("list", "--json").stdout) == []

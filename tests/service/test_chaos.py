@@ -1,8 +1,8 @@
 """Issue 13, item 4: the chaos run, CI-sized. PostgreSQL, an external Ray head, two `shunter api` and two `shunter
-dispatcher` processes; 2 short checkpointing jobs side by side while 8 random SIGKILLs hit the shunter processes and the Ray
-head is killed and started again once (tests/chaos.py holds the harness and the invariants; bench/chaos.py runs the
-long version). The head restart is also issue 13's scenario (it was tests/service/test_head_restart.py): shunter
-reconnects without being restarted and says why it is not ready meanwhile, and the jobs resume from their
+dispatcher` processes; 2 short checkpointing jobs side by side while 8 random SIGKILLs hit the shunter processes and
+the Ray head is killed and started again once (tests/chaos.py holds the harness and the invariants; bench/chaos.py
+runs the long version). The head restart is also issue 13's scenario (it was tests/service/test_head_restart.py):
+shunter reconnects without being restarted and says why it is not ready meanwhile, and the jobs resume from their
 checkpoints, the lost attempts ending `cluster_restarted`; that such an attempt does not use up `max_attempts` is
 tests/service/test_gcs_fault_tolerance.py's (max_attempts 1) and the reconcile table's.
 """
