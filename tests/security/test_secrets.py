@@ -168,12 +168,11 @@ def test_a_bootstrap_credential_buys_the_attempt_token_once(api: LiveApi, tmp_pa
     assert VALUE not in shown and "SHUNTER_ATTEMPT_TOKEN" not in shown and "sat1." not in shown
     bootstrap = sub.runtime_env["env_vars"][BOOTSTRAP_ENV]
     path = f"{api.url}/internal/v1/attempts/{job.id}/1"
-    trade = lambda nonce, token=bootstrap: httpx.post(
-        f"{path}/bootstrap",
-        json={"nonce": nonce},  # noqa: E731
-        headers={"Authorization": f"Bearer {token}"},
-        timeout=10,
-    )
+
+    def trade(nonce: str, token: str = bootstrap) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {token}"}
+        return httpx.post(f"{path}/bootstrap", json={"nonce": nonce}, headers=headers, timeout=10)
+
     # A bootstrap is not an attempt token: it reports nothing and reads no secret.
     for what in ("secrets", "spec"):
         assert httpx.get(f"{path}/{what}", headers={"Authorization": f"Bearer {bootstrap}"}, timeout=10).status_code \
