@@ -16,20 +16,21 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import CallerDep, SessionDep, SettingsDep
 from api.schemas import ERROR_RESPONSES
-from service.core.errors import Forbidden, InvalidSpec
+from service.core.errors import Forbidden
+from service.spec.secret_names import MAX_VALUE_CHARS, NAME_PATTERN
 from service.store.models import Secret
 from service.tenancy.auth import Caller
 from service.tenancy.secret_store import Scope, delete, put, visible
 
 router = APIRouter(prefix="/v1/secrets", tags=["secrets"], responses=ERROR_RESPONSES)
-Name = Annotated[str, Path(min_length=1, max_length=128, description="an environment variable's name")]
+Name = Annotated[str, Path(pattern=NAME_PATTERN, description="an environment variable's name, not SHUNTER_* or RAY_*")]
 ScopeQuery = Annotated[Scope, Query(description="owner (the caller's own), team or cluster (admins)")]
 HolderQuery = Annotated[str | None, Query(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._@-]+$")]
 
 
 class SecretValue(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    value: str = Field(min_length=1, description="kept encrypted; never answered back")
+    value: str = Field(min_length=1, max_length=MAX_VALUE_CHARS, description="kept encrypted; never answered back")
 
 
 class SecretInfo(BaseModel):
@@ -57,9 +58,9 @@ def _holder(caller: Caller, scope: Scope, owner: str | None, team: str | None) -
     if not caller.admin:
         raise Forbidden(f"scope: only an admin keeps {scope.value} secrets", field="scope")
     if scope is Scope.team:
-        if not team:
-            raise InvalidSpec("team: a team secret names its team (?team=)", field="team")
-        return team
+        if not (team or caller.team):
+            raise Forbidden("team: you belong to no team; name one (?team=)", field="team")
+        return team or caller.team or ""
     return ""
 
 

@@ -167,7 +167,6 @@ class Settings(BaseSettings):
     # unset, a key is made once and kept in the database. Values encrypted with a previous key are still read.
     secrets_key: str | None = Field(None, repr=False)
     secrets_previous_keys: list[str] = Field(default_factory=list, repr=False)
-    max_secret_bytes: int = Field(64 << 10, ge=16, le=1 << 20, description="largest secret value")
     max_secrets_per_holder: int = Field(200, ge=1, description="secrets one owner, team or the cluster may keep")
     # Bounds per caller (issue 12).
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body; 413 beyond")

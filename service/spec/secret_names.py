@@ -16,6 +16,8 @@ from pydantic import AfterValidator
 NAME = re.compile(r"[A-Z_][A-Z0-9_]{0,127}")
 RESERVED_PREFIXES = ("SHUNTER_", "RAY_")
 MAX_SECRETS = 64
+MAX_VALUE_CHARS = 65536  # a secret's value: a token, a key, a small credentials file
+NAME_PATTERN = r"^[A-Z_][A-Z0-9_]{0,127}$"
 
 
 def name_problem(name: object) -> str | None:

@@ -32,9 +32,9 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
 from service.config.settings import Settings
-from service.core.errors import Conflict, InvalidSpec, NotFound
+from service.core.errors import Conflict, Forbidden, InvalidSpec, NotFound
 from service.core.masking import NOTHING, Masker
-from service.spec.secret_names import name_problem
+from service.spec.secret_names import MAX_VALUE_CHARS, name_problem
 from service.store.db import base_engine, session_scope
 from service.store.models import Job, Secret, SecretKey, utcnow
 
@@ -82,12 +82,12 @@ def _row(session: Session, scope: Scope, holder: str, name: str) -> Secret | Non
 
 
 def put(session: Session, settings: Settings, *, scope: Scope, holder: str, name: str, value: str, by: str) -> Secret:
-    """Keep `value` as `name` for the holder (replacing what it had); 422 for a bad name or size, 409 past the count."""
+    """Keep `value` as `name` for the holder (replacing what it had); 403 for a reserved name, 409 past the count."""
     problem = name_problem(name)
-    if problem:
-        raise InvalidSpec(f"name: {problem}", field="name")
-    if len(value.encode()) > settings.max_secret_bytes:
-        raise InvalidSpec(f"value: longer than {settings.max_secret_bytes} bytes (max_secret_bytes)", field="value")
+    if problem:  # the route's pattern has the form: what is left is a reserved name, which nobody may keep
+        raise Forbidden(f"name: {problem}", field="name")
+    if not 0 < len(value) <= MAX_VALUE_CHARS:
+        raise InvalidSpec(f"value: 1 to {MAX_VALUE_CHARS} characters", field="value")
     ciphertext = cipher(session.get_bind(), settings).encrypt(value.encode()).decode()
     row = _row(session, scope, holder, name)
     if row is None:

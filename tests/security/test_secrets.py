@@ -25,6 +25,7 @@ from service.core.errors import InvalidSpec
 from service.core.masking import Masker
 from service.dispatch.submission import BOOTSTRAP_ENV, build
 from service.spec.job import JobSpec
+from service.spec.secret_names import MAX_VALUE_CHARS
 from service.store.models import Attempt, Job, JobState, Secret
 from service.tenancy import attempt_tokens, secret_store
 from tests.live_api import LiveApi, add_attempt, live_api
@@ -80,11 +81,11 @@ def test_secrets_are_kept_by_name_and_never_answered_back(api: LiveApi) -> None:
     assert call(api, "PUT", "/v1/secrets/OTHER", BOB, params={"owner": "alice"}, json={"value": "x" * 8}).status_code \
         == 403  # fmt: skip
     # Names are environment variables, none of shunter's or Ray's; values are bounded.
-    for name, field in (("hf_token", "name"), ("SHUNTER_DATABASE_URL", "name"), ("RAY_ADDRESS", "name")):
+    for name, status in (("hf_token", 422), ("9LIVES", 422), ("SHUNTER_DATABASE_URL", 403), ("RAY_ADDRESS", 403)):
         bad = call(api, "PUT", f"/v1/secrets/{name}", json={"value": "v" * 8})
-        assert (bad.status_code, bad.json().get("field")) == (422, field), (name, bad.text)
-    huge = call(api, "PUT", "/v1/secrets/HUGE", json={"value": "v" * (api.settings.max_secret_bytes + 1)})
-    assert (huge.status_code, huge.json()["field"]) == (422, "value")
+        assert (bad.status_code, bad.json().get("field")) == (status, "name"), (name, bad.text)
+    huge = call(api, "PUT", "/v1/secrets/HUGE", json={"value": "v" * (MAX_VALUE_CHARS + 1)})
+    assert (huge.status_code, huge.json()["field"]) == (422, "value"), huge.text
     # Listed by name: alice sees hers, her team's and the cluster's; bob only the cluster's; never a value.
     names = lambda token: sorted((s["scope"], s["name"]) for s in call(api, "GET", "/v1/secrets", token).json())  # noqa: E731
     assert names(ALICE) == [("cluster", "SHARED"), ("owner", "HF_TOKEN"), ("team", "TEAMS")]
@@ -295,6 +296,6 @@ def test_the_cli_keeps_a_secret_from_standard_input_and_lists_names_only(api: Li
         "HF_TOKEN": VALUE}  # fmt: skip
     listed = cli("list", "--json")
     assert [s["name"] for s in json.loads(listed.stdout)] == ["HF_TOKEN"] and VALUE not in listed.stdout
-    refused = cli("set", "SHUNTER_X", stdin="v" * 8)
+    refused = cli("set", "SHUNTER_X", stdin="v" * 8)  # 403: a reserved name
     assert refused.returncode != 0 and "name" in refused.stderr + refused.stdout
     assert cli("delete", "HF_TOKEN").returncode == 0 and json.loads(cli("list", "--json").stdout) == []
