@@ -113,7 +113,9 @@ def estimates(
             return hit.result
         # A job queued since the answer (one just submitted, read back at once) waits for a new answer when answers
         # are cheap; of a deep queue's costly answer it gets none until that much of its cost has passed.
-        cheap = job_id is not None and hit.cost < INLINE_SECONDS
+        # Cheap by its cost, or by its size: a short queue's answer is cheap whatever the clock said it took (a
+        # loaded machine made a two-job answer take over INLINE_SECONDS, and a job just submitted showed no place).
+        cheap = job_id is not None and (hit.cost < INLINE_SECONDS or len(hit.result) <= INLINE_SHORT_QUEUE)
         if (age < COST_FACTOR * hit.cost and not cheap) or not lock.acquire(blocking=cheap):
             return hit.result  # too soon for its cost, or being computed right now
     else:
@@ -135,6 +137,7 @@ def estimates(
 
 
 INLINE_SECONDS = 0.25  # a listing computes the estimate itself only when it last took less than this
+INLINE_SHORT_QUEUE = 100  # ... or, for one job's read, when the last answer held at most this many queued jobs
 INLINE_QUEUED = 1000  # ... or, before any estimate, when at most this many jobs are queued
 
 

@@ -307,9 +307,14 @@ def test_a_job_read_right_after_its_submit_has_its_place_while_answers_are_cheap
         assert sorted(got) == ["q0", "q1"] and got["q1"].position == 2
         _job(session, "q2", "carol", created=NOW + timedelta(seconds=2), state=JobState.QUEUED)
         session.commit()
-        monkeypatch.setattr(estimate, "INLINE_SECONDS", 0.0)  # every answer costly: too soon for a new one
+        monkeypatch.setattr(estimate, "INLINE_SECONDS", 0.0)  # every answer costly: too soon for a new one ...
+        monkeypatch.setattr(estimate, "INLINE_SHORT_QUEUE", 1)  # ... and the queue not short
         estimate._cache[key] = estimate._Cached(time.monotonic(), 3600.0, got)
         assert "q2" not in estimate.estimates(session, settings, job_id="q2")
+        # A short queue's answer is cheap whatever its last one took (a loaded machine's clock): the read has its
+        # place at once (a slow-tier run under load saw a just-submitted job with none).
+        monkeypatch.setattr(estimate, "INLINE_SHORT_QUEUE", 100)
+        assert estimate.estimates(session, settings, job_id="q2")["q2"].position == 3
 
 
 def test_reads_of_a_job_in_no_answer_that_waited_together_share_one_compute(
