@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from collections.abc import AsyncIterator, Callable
@@ -38,6 +39,7 @@ from api.streams import RETRY_AFTER_SECONDS, is_database_outage
 from service.config.settings import Settings
 from service.core.errors import ShunterError
 from service.runtime import Runtime
+from service.tenancy import attempt_tokens
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,22 @@ def _field_of(loc: tuple[Any, ...] | list[Any], message: str = "") -> str:
     if named and (not field or named.group(1).startswith(field)):
         return named.group(1)
     return field or "body"
+
+
+def credential_owners(settings: Settings, runtime: Callable[[], Runtime | None]) -> Callable[[str], str | None]:
+    """Who a bearer credential speaks for, for the fair gate, without a database read: a user token's owner (looked
+    up by its hash), or the owner signed into an attempt token (checked with the keys in memory; None until they are
+    read once)."""
+    owners = {hashlib.sha256(t.encode()).digest(): info.owner for t, info in settings.api_tokens.items()}
+
+    def owner_of(presented: str) -> str | None:
+        if presented.startswith(attempt_tokens.PREFIX + "."):
+            rt = runtime()
+            keys = attempt_tokens.cached_keys(None if rt is None else rt.engine, settings)
+            return None if keys is None else attempt_tokens.owner_of(presented, keys.accepted)
+        return owners.get(hashlib.sha256(presented.encode()).digest())
+
+    return owner_of
 
 
 def _allowed_methods(request: Request) -> str:
@@ -113,7 +131,9 @@ def create_app(
     # Outermost: a request waits for its place before its body is read or its latency is timed.
     gate = Gate(capacity=settings.api_concurrency, waiting_per_caller=settings.api_waiting_per_caller,
                 max_wait_seconds=settings.api_max_wait_seconds)  # fmt: skip
-    app.add_middleware(FairGate, gate=gate)
+    app.add_middleware(
+        FairGate, gate=gate, owner_of=credential_owners(settings, lambda: getattr(app.state, "runtime", None))
+    )
     app.state.gate = gate
     registry.register(metrics.GateCollector(gate))
 

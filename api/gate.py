@@ -8,8 +8,9 @@ places nobody else wants, and a quiet tenant's request finds a place at once, wh
 in `bench/flood.py`). A caller may have at most
 `waiting_per_caller` requests waiting (429 beyond, at once), and none waits longer than `max_wait_seconds` (503).
 
-A caller is its credential: the `Authorization` header (a user token, or a job attempt's token), else the client's
-address. It is kept as a hash, never as the token.
+A caller is the owner its credential speaks for: a user token's owner, or the owner signed into a job's attempt token
+(so mallory's API calls and her jobs' reports are one caller, not one per credential). Any other credential is its
+own caller (kept as a hash, never as the token), and a request without one is its client's address.
 
 A request that goes on to wait for something other than the CPU (a follow stream, a read of a log that is still
 being written) steps aside first (`step_aside`): it gives its place back, and from then on counts only against the
@@ -28,7 +29,7 @@ import itertools
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
@@ -40,10 +41,17 @@ SCOPE_KEY = "shunter.gate"  # the request's place, in its ASGI scope
 EXEMPT_PATHS = frozenset({"/healthz", "/readyz"})  # the probes: cheap, and never to be queued behind a flood
 
 
-def caller_key(scope: Scope) -> str:
-    """Who a request is, for the gate: a hash of its credential, else its client's address."""
+def caller_key(scope: Scope, owner_of: Callable[[str], str | None] | None = None) -> str:
+    """Who a request is, for the gate: the owner its credential speaks for (`owner_of`: a user token's, or an attempt
+    token's, so a tenant and its jobs are one caller however many credentials they hold), else a hash of the
+    credential, else its client's address."""
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
+            if owner_of is not None:
+                scheme, _, presented = value.decode("latin-1").partition(" ")
+                owner = owner_of(presented.strip()) if scheme.lower() == "bearer" else None
+                if owner is not None:
+                    return "o:" + owner
             return "t:" + hashlib.sha256(value).hexdigest()[:32]
     client = scope.get("client")
     return "a:" + (client[0] if client else "?")
@@ -217,16 +225,18 @@ def _resolve(future: asyncio.Future[None]) -> None:
 class FairGate:
     """ASGI middleware: the gate for every HTTP request but `exempt` paths (see the module docstring)."""
 
-    def __init__(self, app: ASGIApp, *, gate: Gate, exempt: Iterable[str] = EXEMPT_PATHS) -> None:
+    def __init__(self, app: ASGIApp, *, gate: Gate, exempt: Iterable[str] = EXEMPT_PATHS,
+                 owner_of: Callable[[str], str | None] | None = None) -> None:  # fmt: skip
         self.app = app
         self.gate = gate
         self.exempt = frozenset(exempt)
+        self.owner_of = owner_of
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.exempt:
             await self.app(scope, receive, send)
             return
-        key = caller_key(scope)
+        key = caller_key(scope, self.owner_of)
         arrived = time.perf_counter()
         try:
             place = await self.gate.enter(key)

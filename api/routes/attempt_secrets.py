@@ -75,7 +75,7 @@ def bootstrap(
         raise Forbidden("this bootstrap credential is for another job or attempt")
     nonce = hashlib.sha256(body.nonce.encode()).hexdigest()
     with session_scope(rt.engine) as session:
-        _on_attempt(session, job_id, attempt)
+        owner = _on_attempt(session, job_id, attempt).owner
         taken = session.execute(
             update(Attempt)
             .where(col(Attempt.job_id) == job_id, col(Attempt.number) == attempt, col(Attempt.ended_at).is_(None))
@@ -85,7 +85,7 @@ def bootstrap(
     if not taken:
         raise Forbidden(f"the bootstrap credential of attempt {attempt} of job {job_id} was used already")
     response.headers.update(NO_STORE)
-    return Credential(token=attempt_tokens.issue(job_id, attempt, keys.current))
+    return Credential(token=attempt_tokens.issue(job_id, attempt, keys.current, owner=owner))
 
 
 @router.get("/{job_id}/{attempt}/secrets", response_model=Secrets)

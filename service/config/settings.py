@@ -175,8 +175,10 @@ class Settings(BaseSettings):
     # The fair gate in front of every route but the probes (api.gate, issue 35): this many requests compute at once in
     # an API process; the others wait (no thread, no session), and each free place goes to the waiting caller with
     # the fewest computing. A caller may have `api_waiting_per_caller` waiting (429 beyond); none waits longer than
-    # `api_max_wait_seconds` (503).
-    api_concurrency: int = Field(3, ge=1, le=256, description="requests computing at once per API process")
+    # `api_max_wait_seconds` (503). Two: Python computes one request at a time per process, so a tenant's request
+    # shares it with at most one other (bench/flood.py: p99 3.5x quiet at three, under 2x at two, with callers keyed
+    # by owner); more processes, not more places, use more cores.
+    api_concurrency: int = Field(2, ge=1, le=256, description="requests computing at once per API process")
     api_waiting_per_caller: int = Field(64, ge=1, description="requests one caller may have waiting; 429 beyond")
     api_max_wait_seconds: float = Field(30.0, gt=0, description="longest a request waits for a place; 503 beyond")
     # A running attempt's log is Ray's, read by byte range in blocks of this size (issue 35): what one request holds of

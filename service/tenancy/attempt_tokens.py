@@ -86,12 +86,16 @@ def _mac(key: str, signed: str) -> bytes:
     return hmac.new(key.encode(), signed.encode(), hashlib.sha256).digest()
 
 
-def issue(job_id: str, attempt: int, key: str, *, prefix: str = PREFIX) -> str:
+def issue(job_id: str, attempt: int, key: str, *, prefix: str = PREFIX, owner: str | None = None) -> str:
     """The token of attempt `attempt` of job `job_id`, signed with `key` (with `prefix=BOOTSTRAP`: its bootstrap
-    credential, which only the bootstrap exchange takes)."""
+    credential, which only the bootstrap exchange takes). `owner`: the job's, signed into it, so the API's fair gate
+    counts the job's requests as its owner's without a database read (`owner_of`)."""
     if not _JOB_ID.fullmatch(job_id) or isinstance(attempt, bool) or attempt < 1:
         raise ValueError(f"cannot issue a token for job {job_id!r} attempt {attempt!r}")
-    payload = _b64(json.dumps({"j": job_id, "a": attempt}, separators=(",", ":")).encode())
+    claims: dict[str, object] = {"j": job_id, "a": attempt}
+    if owner:
+        claims["o"] = owner
+    payload = _b64(json.dumps(claims, separators=(",", ":")).encode())
     signed = f"{prefix}.{key_id(key)}.{payload}"
     return f"{signed}.{_b64(_mac(key, signed))}"
 
@@ -100,6 +104,20 @@ def verify(token: str, keys: Iterable[str], *, prefix: str = PREFIX) -> tuple[st
     """(job id, attempt) of a token signed by one of `keys` (the current key and the previous ones), else
     `InvalidToken`. Signatures are compared in constant time. The prefix is signed: a bootstrap credential is not an
     attempt token, nor the other way round."""
+    claims = _verified(token, keys, prefix)
+    return claims["j"], claims["a"]
+
+
+def owner_of(token: str, keys: Iterable[str]) -> str | None:
+    """The owner signed into an attempt token (None: not a valid token, or one issued without it)."""
+    try:
+        owner = _verified(token, keys, PREFIX).get("o")
+    except InvalidToken:
+        return None
+    return owner if isinstance(owner, str) and owner else None
+
+
+def _verified(token: str, keys: Iterable[str], prefix: str) -> dict[str, object]:
     if not isinstance(token, str) or len(token) > MAX_TOKEN_CHARS:
         raise InvalidToken("not a token")
     parts = token.split(".")
@@ -123,7 +141,7 @@ def verify(token: str, keys: Iterable[str], *, prefix: str = PREFIX) -> tuple[st
         raise InvalidToken("bad job id")
     if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 1:
         raise InvalidToken("bad attempt")
-    return job_id, attempt
+    return dict(claims)
 
 
 @dataclass(frozen=True)
@@ -153,6 +171,19 @@ def keys_for(bind: Engine | Connection, settings: Settings) -> Keys:
     with _cache_lock:
         _cache[engine] = (time.monotonic() + CACHE_SECONDS, keys)
     return keys
+
+
+def cached_keys(bind: Engine | Connection | None, settings: Settings) -> Keys | None:
+    """The keys as `keys_for` last read them, without reading the database (None when not read yet or stale): for
+    what must not wait on it, such as the API's gate on its event loop."""
+    if settings.progress_secret:
+        previous = tuple(s for s in settings.progress_previous_secrets if s)
+        return Keys(settings.progress_secret, (settings.progress_secret, *previous))
+    if bind is None:
+        return None
+    with _cache_lock:
+        hit = _cache.get(base_engine(bind))
+    return hit[1] if hit is not None and hit[0] > time.monotonic() else None
 
 
 def forget_cached_keys() -> None:

@@ -212,3 +212,29 @@ def test_a_follow_stream_gives_its_place_back_while_it_waits(db: Engine, tmp_pat
             assert stream.status_code == 200
             for _ in range(3):
                 assert httpx.get(f"{live.url}/v1/jobs", headers=headers, timeout=60).status_code == 200
+
+
+def test_a_tenant_and_its_jobs_are_one_caller_whatever_credentials_they_hold() -> None:
+    """The gate keys a request by the owner its credential speaks for: two user tokens of one owner and the attempt
+    tokens of that owner's jobs (the owner is signed into them) share one line, so a tenant's jobs cannot flood the
+    API beside their owner as callers of their own (bench/flood.py: p99 3.5x quiet when they could). A token that
+    does not verify, or one issued without an owner, is a caller of its own."""
+    from api.app import credential_owners
+    from api.gate import caller_key
+    from service.config.settings import Settings
+    from service.tenancy import attempt_tokens
+
+    secret = "gate-test-secret-" + "k" * 16
+    settings = Settings(progress_secret=secret, api_tokens={"m1": {"owner": "mallory"}, "m2": {"owner": "mallory"},
+                                                            "a1": {"owner": "alice"}})  # fmt: skip
+    owner_of = credential_owners(settings, lambda: None)
+
+    def key(credential: str) -> str:
+        return caller_key({"headers": [(b"authorization", f"Bearer {credential}".encode())]}, owner_of)
+
+    signed = attempt_tokens.issue("jmallory1", 1, secret, owner="mallory")
+    assert key("m1") == key("m2") == key(signed) == "o:mallory" != key("a1")
+    forged = attempt_tokens.issue("jmallory1", 1, "not-the-key-" + "x" * 20, owner="alice")
+    unowned = attempt_tokens.issue("jmallory1", 1, secret)
+    assert {key(forged), key(unowned), key("unknown")}.isdisjoint({"o:mallory", "o:alice"})
+    assert len({key(forged), key(unowned), key("unknown")}) == 3

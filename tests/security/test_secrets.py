@@ -182,7 +182,9 @@ def test_a_bootstrap_credential_buys_the_attempt_token_once(api: LiveApi, tmp_pa
     first = trade(driver)
     assert first.status_code == 200 and first.headers["cache-control"] == "no-store", first.text
     token = first.json()["token"]
-    assert attempt_tokens.verify(token, attempt_tokens.keys_for(api.engine, api.settings).accepted) == (job.id, 1)
+    accepted = attempt_tokens.keys_for(api.engine, api.settings).accepted
+    assert attempt_tokens.verify(token, accepted) == (job.id, 1)
+    assert attempt_tokens.owner_of(token, accepted) == "alice"  # the API's gate counts the job's calls as hers
     assert httpx.get(f"{path}/secrets", headers={"Authorization": f"Bearer {token}"}, timeout=10).json() == {
         "secrets": {"HF_TOKEN": VALUE}}  # fmt: skip
     # The same driver again (its answer lost to a restarting API): the same token. A copy from Ray's record: refused.
