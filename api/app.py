@@ -62,7 +62,7 @@ def credential_owners(settings: Settings, runtime: Callable[[], Runtime | None])
     """Who a bearer credential speaks for, for the fair gate, without a database read: a user token's owner (looked
     up by its hash), or the owner signed into an attempt token (checked with the keys in memory; None until they are
     read once)."""
-    owners = {hashlib.sha256(t.encode()).digest(): info.owner for t, info in settings.api_tokens.items()}
+    owners = {hashlib.sha256(t.encode()).digest(): info.owner for t, info in (settings.api_tokens or {}).items()}
 
     def owner_of(presented: str) -> str | None:
         if presented.startswith(attempt_tokens.PREFIX + "."):

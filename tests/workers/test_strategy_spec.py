@@ -14,7 +14,7 @@ from service.spec.strategy import MixedPrecision, StrategySpec
 from workers.checkpoint import MANIFEST, IncompleteCheckpointError, verify
 from workers.script import run_script
 from workers.strategies.deepspeed import build_config
-from workers.train_loop import UserCallable, run_loop, train_loop_for
+from workers.train_loop import Token, UserCallable, run_loop, train_loop_for
 
 GUIDE_DS_CONFIG = {  # the reference guide's ds_config.json, minus bf16 (CPU here)
     "zero_optimization": {
@@ -139,7 +139,8 @@ def test_deepspeed_short_form_builds_zero_config() -> None:
     assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
 
 
-def test_train_loop_for_callable_and_script() -> None:
+def test_train_loop_for_callable_and_script(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHUNTER_ATTEMPT_TOKEN", "sat1.the-drivers-token")  # what the driver got for its bootstrap
     loop, config = train_loop_for(
         JobSpec.model_validate({"entrypoint": {"callable": "examples.gpt2_tiny:train_loop"}, "config": {"steps": 3}})
     )
@@ -149,11 +150,13 @@ def test_train_loop_for_callable_and_script() -> None:
     # and imported by it on the workers: it is named here, not imported (nor torch with it).
     checks = {"enabled": True, "slow_factor": 4.0, "timeout_seconds": 60.0}  # the spec's default pre-flight check
     assert loop.func is run_loop and config == {"steps": 3}
+    token = Token("sat1.the-drivers-token")  # the attempt token rides with the loop: a Ray task argument
     assert loop.keywords == {"loop": UserCallable("examples.gpt2_tiny:train_loop"), "announce": True,
-                             "preflight": checks}  # fmt: skip
+                             "preflight": checks, "token": token}  # fmt: skip
+    assert "the-drivers-token" not in repr(loop)  # nor shown where the partial is printed
     assert loop.keywords["loop"].resolve() is train_loop
     loop, config = train_loop_for(JobSpec.model_validate({"entrypoint": {"script": "x.py", "args": ["--a", "1"]}}))
-    assert loop.keywords == {"loop": run_script, "announce": False, "preflight": checks}  # scripts announce themselves
+    assert loop.keywords == {"loop": run_script, "announce": False, "preflight": checks, "token": token}
     assert config == {"script": "x.py", "args": ["--a", "1"], "outputs": [], "resume_arg": None}
 
 
