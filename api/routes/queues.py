@@ -16,6 +16,9 @@ from service.policy.quotas import QueueLimit, Quota
 from service.store import signals
 from service.tenancy.auth import Caller
 
+AcceleratorType = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+GpuCount = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False, strict=True)]
+
 
 class QuotaBody(NoBoolNumbers):
     """Caps for each owner (or team) within the queue; null: no cap."""
@@ -25,6 +28,9 @@ class QuotaBody(NoBoolNumbers):
     max_running: int | None = Field(None, ge=0, le=1_000_000)
     max_cpus: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False)
     max_gpus: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False)
+    max_gpus_by_type: dict[AcceleratorType, GpuCount] | None = Field(
+        None, max_length=64, description='GPUs held by jobs asking for each accelerator type, e.g. {"H100": 8}'
+    )
     max_gpu_hours: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False)
     window_hours: float = Field(168.0, gt=0, le=24 * 366, allow_inf_nan=False)
 
@@ -48,8 +54,8 @@ class QueueLimits(NoBoolNumbers):
     team_quota: QuotaBody | None = Field(None, description="caps for each team within this queue")
     cohort: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$", description="lends/borrows idle quota")
     borrowing_limit: BorrowingLimit | None = Field(None, description="most it may borrow from its cohort")
-    accelerator_types: list[Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]] | None = (
-        Field(None, min_length=1, max_length=64, description="its jobs must ask for one of these accelerator types")
+    accelerator_types: list[AcceleratorType] | None = Field(
+        None, min_length=1, max_length=64, description="its jobs must ask for one of these accelerator types"
     )
 
     def to_limit(self) -> QueueLimit:

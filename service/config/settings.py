@@ -84,7 +84,8 @@ class Settings(BaseSettings):
     # Named queues and their limits, e.g. {"research": {"max_running": 2, "max_gpus": 8, "preemption": true}}.
     queues: dict[str, dict[str, Any]] = Field(default_factory=dict)
     # Per-owner and per-team quotas, cluster-wide: {"owner": {"*": {"max_running": 4, "max_gpus": 8}, "alice": {...}},
-    # "team": {"ml": {"max_gpu_hours": 500, "window_hours": 168}}} (see service/policy/quotas.py).
+    # "team": {"ml": {"max_gpu_hours": 500, "window_hours": 168, "max_gpus_by_type": {"H100": 8}}}}
+    # (see service/policy/quotas.py).
     quotas: dict[str, Any] = Field(default_factory=dict)
     # Fair share among waiting jobs of equal priority (see service/policy/fairshare.py): {"half_life_hours": 24,
     # "resource_weights": {"CPU": 1, "GPU": 10}, "team_weights": {...}, "owner_weights": {...}, "enabled": true}.

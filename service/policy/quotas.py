@@ -1,7 +1,8 @@
 """What may run at once: queue limits, per-owner and per-team quotas, and cohorts that lend idle quota. Pure.
 
-Every limit caps running jobs, CPUs and GPUs held by admitted jobs, and a quota may also cap GPU-hours used in a
-rolling window (`max_gpu_hours` over `window_hours`). Limits apply at several scopes at once, each counting the jobs
+Every limit caps running jobs, CPUs and GPUs held by admitted jobs; a quota may also cap the GPUs of each accelerator
+type (`max_gpus_by_type`, e.g. `{"H100": 8}`: what jobs asking for that type hold) and GPU-hours used in a rolling
+window (`max_gpu_hours` over `window_hours`). Limits apply at several scopes at once, each counting the jobs
 in it:
 
 - a queue (`QueueLimit`: `max_running`, `max_cpus`, `max_gpus`);
@@ -21,7 +22,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-QUOTA_KEYS = ("max_running", "max_cpus", "max_gpus", "max_gpu_hours", "window_hours")
+from service.core.resources import accelerator_of
+
+QUOTA_KEYS = ("max_running", "max_cpus", "max_gpus", "max_gpus_by_type", "max_gpu_hours", "window_hours")
 LIMIT_KEYS = frozenset({"max_running", "max_cpus", "max_gpus", "preemption", "owner_quota", "team_quota", "cohort",
                         "borrowing_limit", "accelerator_types"})  # fmt: skip
 RESOURCES = (("CPU", "cpus", "max_cpus"), ("GPU", "gpus", "max_gpus"))
@@ -34,6 +37,9 @@ class Quota:
     max_running: int | None = None
     max_cpus: float | None = None
     max_gpus: float | None = None
+    # GPUs held by jobs asking for each accelerator type (`resources.accelerator_type`), e.g. {"H100": 8}: a type
+    # not named has no cap of its own (`max_gpus` still counts it).
+    max_gpus_by_type: dict[str, float] | None = field(default=None, hash=False)
     max_gpu_hours: float | None = None
     window_hours: float = 168.0
 
@@ -44,7 +50,13 @@ class Quota:
         unknown = set(value) - set(QUOTA_KEYS)
         if unknown:
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}; known: {', '.join(QUOTA_KEYS)}")
-        _nonnegative(value.items(), where)
+        by_type = value.get("max_gpus_by_type")
+        if by_type is not None:
+            if not isinstance(by_type, dict) or not all(isinstance(k, str) and k for k in by_type):
+                raise ValueError(f"{where}.max_gpus_by_type: a mapping of accelerator types to GPU counts")
+            _nonnegative(by_type.items(), f"{where}.max_gpus_by_type")
+            value = {**value, "max_gpus_by_type": {k: v for k, v in by_type.items() if v is not None}}
+        _nonnegative(((k, v) for k, v in value.items() if k != "max_gpus_by_type"), where)
         if value.get("max_running") is not None and not isinstance(value["max_running"], int):
             raise ValueError(f"{where}.max_running: a whole number")
         if value.get("window_hours") is not None and value["window_hours"] <= 0:
@@ -52,7 +64,9 @@ class Quota:
         return cls(**{k: v for k, v in value.items() if v is not None})
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in QUOTA_KEYS}
+        out = {k: getattr(self, k) for k in QUOTA_KEYS}
+        out["max_gpus_by_type"] = dict(self.max_gpus_by_type) if self.max_gpus_by_type else None
+        return out
 
 
 @dataclass(frozen=True)
@@ -144,11 +158,15 @@ class Held:
     running: int = 0
     cpus: float = 0.0
     gpus: float = 0.0
+    gpus_by_type: dict[str, float] = field(default_factory=dict)  # GPUs of jobs asking for each accelerator type
 
     def add(self, total: dict[str, float], sign: int = 1) -> None:
         self.running += sign
         self.cpus += sign * total.get("CPU", 0.0)
         self.gpus += sign * total.get("GPU", 0.0)
+        kind = accelerator_of(total)
+        if kind is not None and total.get("GPU", 0.0):
+            self.gpus_by_type[kind] = self.gpus_by_type.get(kind, 0.0) + sign * total["GPU"]
 
     def of(self, resource: str) -> float:
         return self.cpus if resource == "CPU" else self.gpus
@@ -185,6 +203,12 @@ def _over(quota: Quota | QueueLimit, held: Held, total: dict[str, float], label:
             continue
         if held.of(resource) + total.get(resource, 0.0) > cap + 1e-9:
             return f"{label} would exceed its {cap:g} {resource}s ({held.of(resource):g} in use)"
+    kind = accelerator_of(total)
+    caps: dict[str, float] = getattr(quota, "max_gpus_by_type", None) or {}
+    if kind is not None and kind in caps and total.get("GPU", 0.0):
+        used = held.gpus_by_type.get(kind, 0.0)
+        if used + total["GPU"] > caps[kind] + 1e-9:
+            return f"{label} would exceed its {caps[kind]:g} {kind} GPUs ({used:g} in use)"
     return None
 
 

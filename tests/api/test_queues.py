@@ -70,6 +70,20 @@ def test_a_queue_limited_to_accelerator_types_refuses_other_jobs_at_submit(app_c
     assert listed["a100"]["limits"]["accelerator_types"] == ["A100", "H100"]
 
 
+def test_a_quota_by_accelerator_type_is_set_over_the_api_and_read_back(app_client) -> None:
+    """Issue 37: a queue's per-owner quota may cap each accelerator type's GPUs; it reads back as written, and a bad
+    cap is a 422 naming the field."""
+    c = app_client()
+    body = {"owner_quota": {"max_gpus": 16, "max_gpus_by_type": {"H100": 8, "T4": 0}}}
+    put = c.put("/v1/queues/gpu", json=body)
+    assert put.status_code == 200, put.text
+    quota = next(q for q in c.get("/v1/queues").json() if q["name"] == "gpu")["limits"]["owner_quota"]
+    assert quota["max_gpus_by_type"] == {"H100": 8, "T4": 0} and quota["max_gpus"] == 16
+    for bad in ({"H100": -1}, {"H100": True}, {"bad name": 1}):
+        refused = c.put("/v1/queues/gpu", json={"owner_quota": {"max_gpus_by_type": bad}})
+        assert refused.status_code == 422 and "owner_quota.max_gpus_by_type" in refused.json()["field"], refused.text
+
+
 def test_queue_limits_set_over_the_api_read_back_as_written(app_client) -> None:
     """Property: whatever limits a PUT accepts, GET /v1/queues answers them back the same (stored in the queue's row
     and read back through `queues.limits`)."""

@@ -338,6 +338,9 @@ def test_quotas_parse() -> None:
     assert rules.of_team(None) is None
     assert Quotas.parse({"team": {"*": {"max_gpus": 1}}}).of_team(None) is None  # no team, no team quota
     assert Quotas.parse({}) == Quotas()
+    typed = Quotas.parse({"owner": {"alice": {"max_gpus_by_type": {"H100": 8, "T4": None}}}}).of_owner("alice")
+    assert typed == Quota(max_gpus_by_type={"H100": 8})  # a null cap is no cap
+    assert Quota.parse(typed.as_dict(), "stored") == typed  # as a queue's JSON column keeps it, and reads it back
 
 
 @pytest.mark.parametrize(
@@ -351,6 +354,9 @@ def test_quotas_parse() -> None:
         ({"team": {"ml": {"max_gpus": "8"}}}, "quotas.team.ml.max_gpus: "),
         ({"team": {"ml": {"max_cpus": True}}}, "quotas.team.ml.max_cpus: "),
         ({"team": {"ml": {"window_hours": 0}}}, "quotas.team.ml.window_hours: "),
+        ({"team": {"ml": {"max_gpus_by_type": 8}}}, "quotas.team.ml.max_gpus_by_type: "),
+        ({"team": {"ml": {"max_gpus_by_type": {"H100": -1}}}}, "quotas.team.ml.max_gpus_by_type.H100: "),
+        ({"team": {"ml": {"max_gpus_by_type": {"H100": "8"}}}}, "quotas.team.ml.max_gpus_by_type.H100: "),
     ],
 )
 def test_quotas_parse_errors_name_the_key(value: dict[str, object], named: str) -> None:
@@ -414,7 +420,14 @@ def gpus(n: float) -> dict[str, float]:
     return {"CPU": 1.0, "GPU": float(n)}
 
 
+def typed(kind: str, n: float) -> dict[str, float]:
+    """A job of n GPUs asking for one accelerator type (`resources.accelerator_type`: 0.001 of it per GPU worker)."""
+    return {"CPU": 1.0, "GPU": float(n), f"accelerator_type:{kind}": 0.001 * n}
+
+
 OWNER_STAR = Quotas(owners={"*": Quota(max_running=1, max_gpus=1), "bob": Quota(max_running=3)})
+H100_CAPS = Quotas(teams={"ml": Quota(max_gpus_by_type={"H100": 8, "T4": 0})})
+IN_Q_H100 = {"q": QueueLimit(owner_quota=Quota(max_gpus_by_type={"H100": 2}))}
 TEAM_ML = Quotas(teams={"ml": Quota(max_gpus=8)})
 TEAM_STAR = Quotas(teams={"*": Quota(max_running=1)})
 IN_Q = {"q": QueueLimit(owner_quota=Quota(max_running=1), team_quota=Quota(max_cpus=2))}
@@ -461,6 +474,19 @@ QCAPS = {"q": QueueLimit(max_running=2, max_cpus=4, max_gpus=2)}
         (gpus(2), ("q", "alice", None), QCAPS, Quotas(), [("q", "bob", None, gpus(1))],
          "queue 'q' would exceed its 2 GPUs (1 in use)"),
         (gpus(2), ("other", "alice", None), QCAPS, Quotas(), [("q", "bob", None, gpus(2))] * 2, None),
+        # GPUs of one accelerator type (issue 37): only jobs asking for that type count, and only against its cap
+        (typed("H100", 2), ("q", "alice", "ml"), {}, H100_CAPS, [("x", "bob", "ml", typed("H100", 6))], None),
+        (typed("H100", 3), ("q", "alice", "ml"), {}, H100_CAPS, [("x", "bob", "ml", typed("H100", 6))],
+         "team 'ml' would exceed its 8 H100 GPUs (6 in use)"),
+        (typed("H100", 3), ("q", "alice", "ml"), {}, H100_CAPS, [("x", "bob", "ml", typed("A100", 6)),
+         ("x", "bob", "ml", gpus(4))], None),  # other types' GPUs and untyped GPUs are not H100s
+        (typed("A100", 16), ("q", "alice", "ml"), {}, H100_CAPS, [("x", "bob", "ml", typed("H100", 8))], None),
+        (typed("T4", 1), ("q", "alice", "ml"), {}, H100_CAPS, [], "team 'ml' would exceed its 0 T4 GPUs (0 in use)"),
+        (typed("T4", 1), ("q", "alice", "cv"), {}, H100_CAPS, [], None),  # another team
+        (typed("H100", 2), ("q", "alice", None), IN_Q_H100, Quotas(), [("other", "alice", None, typed("H100", 8))],
+         None),  # a quota within queue q counts q's jobs only
+        (typed("H100", 1), ("q", "alice", None), IN_Q_H100, Quotas(), [("q", "alice", None, typed("H100", 2))],
+         "owner 'alice' in queue 'q' would exceed its 2 H100 GPUs (2 in use)"),
     ],
 )  # fmt: skip
 def test_quota_check(

@@ -222,3 +222,52 @@ def test_borrowed_quota_is_returned_every_time(db: Engine, tmp_path: Path) -> No
     summary = run(db, sim.borrow(6), 3, tmp_path)
     assert summary["borrowing"]["episodes"] >= 6 and summary["borrowing"]["within_one_cycle"], explain(summary)
     assert summary["quotas"]["exceeded"] == [], explain(summary)
+
+
+def test_a_quota_on_one_accelerator_types_gpus_holds_only_that_types_jobs(db: Engine, tmp_path: Path) -> None:
+    """Issue 37: `max_gpus_by_type` through the real submission, dispatcher and admission code, on a cluster of an
+    H100 node and an A100 node. Alice may hold 4 H100 GPUs: her second H100 job waits, naming the cap, while her A100
+    job of the same size runs beside the first; once the first ends, the second is admitted."""
+    scenario = sim.Scenario("typed", [], {}, cpus=8)
+    backend = SimJobs({"h": {"CPU": 8.0, "GPU": 8.0, "accelerator_type:H100": 1.0},
+                       "a": {"CPU": 8.0, "GPU": 8.0, "accelerator_type:A100": 1.0}}, engine=db)  # fmt: skip
+    settings = sim.settings_for(scenario, tmp_path).model_copy(
+        update={"quotas": {"owner": {"alice": {"max_gpus_by_type": {"H100": 4}}}}}
+    )
+    disp = Dispatcher(engine=db, settings=settings, ray=backend, owner="d1")
+    virtual = clock.VirtualClock(sim.START)
+
+    def gpu_job(kind: str, seconds: float) -> str:
+        spec = JobSpec.model_validate({
+            "name": kind.lower(), "entrypoint": {"callable": "examples.mlp:train_loop"},
+            "resources": {"num_workers": 4, "use_gpu": True, "accelerator_type": kind},
+            "runtime_env": {"env_vars": {"SIM_SECONDS": str(seconds)}},
+        })  # fmt: skip
+        with Session(db) as session:
+            job, _ = submit(session, spec, caller=Caller("alice", team="ml"), settings=settings)
+            session.commit()
+            return job.id
+
+    def state(job_id: str) -> tuple[str, str | None]:
+        with Session(db) as session:
+            job = session.get(Job, job_id)
+            assert job is not None
+            return job.state.value, job.state_reason
+
+    try:
+        with clock.use(virtual):
+            ids = []
+            for kind in ("H100", "H100", "A100"):  # one a second: FIFO within alice's jobs is by submission time
+                ids.append(gpu_job(kind, 100))
+                virtual.advance(1)
+            first, second, other = ids
+            disp.tick()
+            assert state(first)[0] == "STARTING" and state(other)[0] == "STARTING", (state(first), state(other))
+            waiting, why = state(second)
+            assert waiting == "QUEUED" and "owner 'alice' would exceed its 4 H100 GPUs (4 in use)" in (why or ""), why
+            virtual.advance(100)
+            disp.tick()  # the first ends
+            disp.tick()
+            assert state(first)[0] == "SUCCEEDED" and state(second)[0] in ("STARTING", "RUNNING"), state(second)
+    finally:
+        disp._pool.shutdown(wait=True)
