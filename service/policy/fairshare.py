@@ -1,6 +1,7 @@
 """Fair share: in which order waiting jobs of equal priority are admitted. Pure: no I/O, no clock.
 
-Usage is resource-seconds, weighted per resource (`resource_weights`, e.g. a GPU-second counts 10 CPU-seconds) and
+Usage is resource-seconds, weighted per resource (`resource_weights`, e.g. a GPU-second counts 10 CPU-seconds, and
+`"GPU:H100": 30` an H100-second 30, for jobs asking for that accelerator type) and
 decayed with a half-life, so last week's usage weighs less than this morning's. An attempt that held `r` weighted
 resources from `s` to `e` (or to `now`, while it runs: a running job is usage already) adds
 
@@ -26,6 +27,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar
+
+from service.core.resources import accelerator_of
 
 
 def team_key(team: str | None, owner: str) -> str:
@@ -82,8 +85,13 @@ class FairShare:
         return cls(**out)
 
     def rate(self, held: dict[str, float]) -> float:
-        """Weighted resources per second of `held` (e.g. {"CPU": 4, "GPU": 1})."""
-        return sum(self.resource_weights.get(k, 0.0) * v for k, v in held.items())
+        """Weighted resources per second of `held` (e.g. {"CPU": 4, "GPU": 1}). The GPUs of a job asking for an
+        accelerator type weigh `resource_weights["GPU:<type>"]` where it is set (an H100-second may cost more than a
+        T4-second), else `resource_weights["GPU"]`."""
+        kind = accelerator_of(held)
+        gpu = self.resource_weights.get(f"GPU:{kind}") if kind is not None else None
+        return sum((gpu if k == "GPU" and gpu is not None else self.resource_weights.get(k, 0.0)) * v
+                   for k, v in held.items())  # fmt: skip
 
     def team_weight(self, key: str) -> float:
         """A team's weight; an owner without a team stands at the team level with its own weight."""

@@ -12,6 +12,7 @@ from datetime import datetime, timedelta
 
 from sqlmodel import Session, col, or_, select
 
+from service.core.resources import ACCELERATOR_PREFIX
 from service.policy import quotas
 from service.policy.fairshare import FairShare, Usage, Use, usage_of
 from service.policy.quotas import Held, QueueLimit, Quotas, Scope
@@ -33,7 +34,7 @@ def held(active: Iterable[Job], resources_of: Callable[[Job], dict[str, float]])
 
 def _uses(
     session: Session, since: datetime, until: datetime | None = None
-) -> list[tuple[Attempt, str, str | None, str]]:
+) -> list[tuple[Attempt, str, str | None, str, str | None]]:
     """Attempts ended after `since` and, without `until`, those running now; with `until`, only those ended by then."""
     ended_since = col(Attempt.ended_at) > since
     where = (
@@ -41,7 +42,11 @@ def _uses(
         if until is None
         else ended_since & (col(Attempt.ended_at) <= until)
     )
-    query = select(Attempt, Job.owner, Job.team, Job.queue).join(Job, col(Job.id) == col(Attempt.job_id)).where(where)
+    query = (
+        select(Attempt, Job.owner, Job.team, Job.queue, Job.accelerator_type)
+        .join(Job, col(Job.id) == col(Attempt.job_id))
+        .where(where)
+    )
     return [tuple(row) for row in session.exec(query).all()]  # type: ignore[misc]
 
 
@@ -105,11 +110,12 @@ def fair_usage(session: Session, config: FairShare, now: datetime, *, cached: bo
     return out
 
 
-def _use_rows(rows: Iterable[tuple[Attempt, str, str | None, str]]) -> Iterable[Use]:
+def _use_rows(rows: Iterable[tuple[Attempt, str, str | None, str, str | None]]) -> Iterable[Use]:
+    """Each attempt's use; its accelerator type rides along (weight 0 itself), so a GPU weight by type applies."""
     return (
-        Use(owner, team, {"CPU": a.cpus, "GPU": a.gpus}, a.started_at.timestamp(),
-            a.ended_at.timestamp() if a.ended_at else None)
-        for a, owner, team, _ in rows
+        Use(owner, team, {"CPU": a.cpus, "GPU": a.gpus, **({ACCELERATOR_PREFIX + kind: 0.0} if kind else {})},
+            a.started_at.timestamp(), a.ended_at.timestamp() if a.ended_at else None)
+        for a, owner, team, _, kind in rows
     )  # fmt: skip
 
 
@@ -145,7 +151,7 @@ def gpu_hours(session: Session, rules: Quotas, limits: dict[str, QueueLimit], no
     if not hours:
         return {}
     out: dict[Scope, float] = {}
-    for attempt, owner, team, queue in _uses(session, now - timedelta(hours=max(hours))):
+    for attempt, owner, team, queue, _ in _uses(session, now - timedelta(hours=max(hours))):
         if attempt.gpus <= 0:
             continue
         scopes: list[Scope] = [("owner", owner), ("queue-owner", queue, owner)]

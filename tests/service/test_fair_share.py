@@ -126,6 +126,28 @@ def test_usage_of_counts_running_attempts_up_to_now_weighted_by_resource() -> No
     assert usage.teams == pytest.approx({"ml": alice + bob, "~carol": carol, "~dave": 0.0}, rel=1e-12)
 
 
+@pytest.mark.parametrize(
+    ("held", "rate"),
+    [
+        ({"CPU": 2.0, "GPU": 4.0}, 2 + 4 * 10),  # untyped GPUs: the GPU weight
+        ({"CPU": 2.0, "GPU": 4.0, "accelerator_type:H100": 0.004}, 2 + 4 * 30),  # GPU:H100 set
+        ({"CPU": 2.0, "GPU": 4.0, "accelerator_type:T4": 0.0}, 2 + 4 * 1),  # as standing reads an attempt's type
+        ({"CPU": 2.0, "GPU": 4.0, "accelerator_type:A100": 0.004}, 2 + 4 * 10),  # no weight of its own: GPU's
+        ({"CPU": 2.0, "accelerator_type:H100": 0.002}, 2),  # a CPU node type with a type: no GPUs to weigh
+    ],
+)
+def test_gpu_seconds_weigh_by_accelerator_type_where_a_weight_is_set(held: dict[str, float], rate: float) -> None:
+    """Issue 37: `resource_weights` may weigh each accelerator type's GPUs (`"GPU:H100": 30`), so an hour on an
+    H100 costs an owner's fair share more than an hour on a T4; a type without a weight counts as `GPU`."""
+    config = FairShare.parse({"resource_weights": {"GPU:H100": 30, "GPU:T4": 1}})
+    assert config.rate(held) == pytest.approx(rate)
+    # Alice trained an hour on 4 H100s, bob an hour on 4 T4s: bob's usage is far below hers, so he goes first.
+    uses = [Use("alice", None, {"GPU": 4.0, "accelerator_type:H100": 0.0}, start=0.0, end=HOUR),
+            Use("bob", None, {"GPU": 4.0, "accelerator_type:T4": 0.0}, start=0.0, end=HOUR)]  # fmt: skip
+    usage = usage_of(uses, HOUR, config)
+    assert usage.owners["alice"] == pytest.approx(30 * usage.owners["bob"])
+
+
 def test_a_running_attempt_is_usage_already() -> None:
     """One running job and three waiting puts its owner behind one with nothing running (issue 15 part 2)."""
     config = FairShare(half_life_seconds=HOUR)
@@ -761,12 +783,16 @@ def test_preemption_waits_while_one_is_in_flight_and_needs_a_preempting_queue() 
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=timezone.utc)
 
 
-def add_attempts(engine: Engine, rows: list[tuple[str, str | None, str, float, float, float, float | None]]) -> None:
-    """rows: (owner, team, queue, cpus, gpus, started hours ago, ended hours ago or None: running)."""
+def add_attempts(
+    engine: Engine, rows: list[tuple[str, str | None, str, float, float, float, float | None]], kind: str | None = None
+) -> None:
+    """rows: (owner, team, queue, cpus, gpus, started hours ago, ended hours ago or None: running); `kind`: the jobs'
+    accelerator type."""
     with Session(engine) as session:
         for i, (owner, team, queue, cpu, gpu, started, ended) in enumerate(rows):
             job = Job(name=f"j{i}", spec={"entrypoint": {"callable": "a:b"}}, owner=owner, team=team, queue=queue,
-                      state=JobState.RUNNING if ended is None else JobState.SUCCEEDED, attempt=1)  # fmt: skip
+                      state=JobState.RUNNING if ended is None else JobState.SUCCEEDED, attempt=1,
+                      accelerator_type=kind)  # fmt: skip
             session.add(job)
             session.flush()
             session.add(Attempt(job_id=job.id, number=1, submission_id=f"{job.id}-1", cpus=cpu, gpus=gpu,
@@ -796,6 +822,16 @@ def test_fair_usage_from_attempts(db: Engine) -> None:
     dave = 8 * tau * (2**-8 - 2**-9)
     assert usage.owners == pytest.approx({"alice": alice, "bob": bob, "dave": dave}, rel=1e-9)
     assert usage.teams == pytest.approx({"ml": alice + bob, "~dave": dave}, rel=1e-9)
+
+
+def test_fair_usage_weighs_gpus_by_the_jobs_accelerator_type(db: Engine) -> None:
+    """The type each job asked for (jobs.accelerator_type) reaches fair share's weights from the database."""
+    add_attempts(db, [("alice", None, "q", 0.0, 4.0, 2.0, 1.0)], kind="H100")
+    add_attempts(db, [("bob", None, "q", 0.0, 4.0, 2.0, 1.0)], kind="T4")
+    config = FairShare.parse({"half_life_hours": 1, "resource_weights": {"GPU:H100": 30, "GPU:T4": 1}})
+    with Session(db) as session:
+        usage = standing.fair_usage(session, config, NOW, cached=False)
+    assert usage.owners["alice"] == pytest.approx(30 * usage.owners["bob"], rel=1e-9) and usage.owners["bob"] > 0
 
 
 def test_gpu_hours_per_quota_window(db: Engine) -> None:
