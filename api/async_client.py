@@ -21,7 +21,7 @@ from tenacity import AsyncRetrying
 
 from api import retries as retries_
 from api.client import DEFAULT_EXCLUDES, TERMINAL, _checked, with_working_dir, working_dir_excludes, zipped
-from api.schemas import ClusterPublic, EventPublic, JobList, JobPublic, Validated
+from api.schemas import ClusterPublic, EventPublic, JobList, JobPublic, SecretInfo, Validated
 
 
 class AsyncClient:
@@ -74,6 +74,15 @@ class AsyncClient:
     ) -> JobPublic:
         uri = (await self.upload_directory(directory, excludes=working_dir_excludes(spec)))["uri"]
         return await self.submit(with_working_dir(spec, uri), idempotency_key=idempotency_key)
+
+    async def put_secret(self, name: str, value: str, *, scope: str = "owner", **holder: str) -> SecretInfo:
+        """As `Client.put_secret`: keep a secret's value (a PUT replaces: safe to repeat)."""
+        r = await self._request("PUT", f"/v1/secrets/{name}", params={"scope": scope, **holder},
+                                json={"value": value}, repeat=True)  # fmt: skip
+        return SecretInfo.model_validate(r.json())
+
+    async def secrets(self) -> list[SecretInfo]:
+        return [SecretInfo.model_validate(s) for s in await self._call("GET", "/v1/secrets")]
 
     async def get(self, job_id: str) -> JobPublic:
         return JobPublic.model_validate(await self._call("GET", f"/v1/jobs/{job_id}"))

@@ -26,6 +26,7 @@ from api.schemas import (
     JobList,
     JobPublic,
     MetricPoint,
+    SecretInfo,
     UsagePublic,
     Validated,
 )
@@ -200,15 +201,16 @@ class Client:
         uri = self.upload_directory(directory, excludes=working_dir_excludes(spec))["uri"]
         return self.submit(with_working_dir(spec, uri), idempotency_key=idempotency_key)
 
-    def put_secret(self, name: str, value: str, *, scope: str = "owner", **holder: str) -> dict[str, Any]:
+    def put_secret(self, name: str, value: str, *, scope: str = "owner", **holder: str) -> SecretInfo:
         """Keep a secret a spec's `secrets:` may name (`holder`: `team=` or `owner=`, for an admin). A PUT replaces:
         safe to repeat."""
         params = {"scope": scope, **holder}
-        return self._request("PUT", f"/v1/secrets/{name}", params=params, json={"value": value}, repeat=True).json()  # type: ignore[no-any-return]
+        r = self._request("PUT", f"/v1/secrets/{name}", params=params, json={"value": value}, repeat=True)
+        return SecretInfo.model_validate(r.json())
 
-    def secrets(self) -> list[dict[str, Any]]:
+    def secrets(self) -> list[SecretInfo]:
         """The secrets the caller's jobs may name: names, scopes and holders, never values."""
-        return self._call("GET", "/v1/secrets")  # type: ignore[no-any-return]
+        return [SecretInfo.model_validate(s) for s in self._call("GET", "/v1/secrets")]
 
     def delete_secret(self, name: str, *, scope: str = "owner", **holder: str) -> None:
         self._request("DELETE", f"/v1/secrets/{name}", params={"scope": scope, **holder})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -303,3 +303,14 @@ class Validated(BaseModel):
     state_reason: str | None = Field(None, description="why it would wait, when it would not start at once")
     warnings: list[str] = Field(default_factory=list)
     spec: dict[str, Any] = Field(description="the spec as the service reads it")
+
+
+class SecretInfo(BaseModel):
+    """A kept secret, by name (`/v1/secrets`): never its value."""
+
+    name: str
+    scope: Literal["owner", "team", "cluster"]
+    owner: str | None = Field(None, description="whose it is (scope owner)")
+    team: str | None = Field(None, description="whose it is (scope team)")
+    updated_at: datetime
+    updated_by: str

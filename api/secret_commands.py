@@ -45,8 +45,8 @@ def set_(
         raise typer.BadParameter("the value is empty", param_hint="standard input")
     with _calling(server, token) as c:
         kept = c.put_secret(name, value, scope=scope, **_holder(team, owner))
-    holder = kept.get("owner") or kept.get("team") or "the cluster"
-    console.print(f"kept secret [bold]{escape(kept['name'])}[/bold] for {escape(holder)} ({kept['scope']})")
+    holder = kept.owner or kept.team or "the cluster"
+    console.print(f"kept secret [bold]{escape(kept.name)}[/bold] for {escape(holder)} ({kept.scope})")
 
 
 @app.command("list")
@@ -55,12 +55,12 @@ def list_(server: ServerOpt = DEFAULT_URL, token: TokenOpt = None, as_json: Json
     with _calling(server, token) as c:
         kept = c.secrets()
     if as_json:
-        console.print_json(json.dumps(kept))
+        console.print_json(json.dumps([s.model_dump(mode="json") for s in kept]))
         return
     table = Table("name", "scope", "of", "updated", "by")
     for s in kept:
-        table.add_row(escape(s["name"]), s["scope"], escape(s.get("owner") or s.get("team") or "-"),
-                      s["updated_at"][:19], escape(s["updated_by"]))  # fmt: skip
+        table.add_row(escape(s.name), s.scope, escape(s.owner or s.team or "-"),
+                      s.updated_at.isoformat(timespec="seconds"), escape(s.updated_by))  # fmt: skip
     console.print(table)
 
 

@@ -28,7 +28,9 @@ class QuotaBody(NoBoolNumbers):
     max_running: int | None = Field(None, ge=0, le=1_000_000)
     max_cpus: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False)
     max_gpus: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False)
-    max_gpus_by_type: dict[AcceleratorType, GpuCount] | None = Field(
+    # Keys are not constrained in the schema (OpenAPI tools ignore `propertyNames`): a name no job asks for is a cap
+    # that never applies, not an error.
+    max_gpus_by_type: dict[str, GpuCount] | None = Field(
         None, max_length=64, description='GPUs held by jobs asking for each accelerator type, e.g. {"H100": 8}'
     )
     max_gpu_hours: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False)

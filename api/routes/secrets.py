@@ -8,14 +8,13 @@ no answer anywhere holds a value (see `service.tenancy.secret_store`).
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response, status
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import CallerDep, SessionDep, SettingsDep
-from api.schemas import ERROR_RESPONSES
+from api.schemas import ERROR_RESPONSES, SecretInfo
 from service.core.errors import Forbidden
 from service.spec.secret_names import MAX_VALUE_CHARS, NAME_PATTERN
 from service.store.models import Secret
@@ -33,18 +32,9 @@ class SecretValue(BaseModel):
     value: str = Field(min_length=1, max_length=MAX_VALUE_CHARS, description="kept encrypted; never answered back")
 
 
-class SecretInfo(BaseModel):
-    name: str
-    scope: Scope
-    owner: str | None = Field(None, description="whose it is (scope owner)")
-    team: str | None = Field(None, description="whose it is (scope team)")
-    updated_at: datetime
-    updated_by: str
-
-
 def _info(row: Secret) -> SecretInfo:
     scope = Scope(row.scope)
-    return SecretInfo(name=row.name, scope=scope, owner=row.holder if scope is Scope.owner else None,
+    return SecretInfo(name=row.name, scope=scope.value, owner=row.holder if scope is Scope.owner else None,
                       team=row.holder if scope is Scope.team else None, updated_at=row.updated_at,
                       updated_by=row.updated_by)  # fmt: skip
 

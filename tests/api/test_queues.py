@@ -79,7 +79,7 @@ def test_a_quota_by_accelerator_type_is_set_over_the_api_and_read_back(app_clien
     assert put.status_code == 200, put.text
     quota = next(q for q in c.get("/v1/queues").json() if q["name"] == "gpu")["limits"]["owner_quota"]
     assert quota["max_gpus_by_type"] == {"H100": 8, "T4": 0} and quota["max_gpus"] == 16
-    for bad in ({"H100": -1}, {"H100": True}, {"bad name": 1}):
+    for bad in ({"H100": -1}, {"H100": True}, {"H100": "8"}):
         refused = c.put("/v1/queues/gpu", json={"owner_quota": {"max_gpus_by_type": bad}})
         assert refused.status_code == 422 and "owner_quota.max_gpus_by_type" in refused.json()["field"], refused.text
 

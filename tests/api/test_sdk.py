@@ -122,6 +122,10 @@ def test_the_async_client_does_the_same(proxied: tuple[str, Flaky, str], tmp_pat
             assert [e.reason for e in await c.events(job.id)] == ["submitted"]
             assert (await c.validate(GOOD)).valid
             assert (await c.cancel(job.id)) and (await c.wait(job.id, timeout=30)).state == "CANCELLED"
+            flaky.plan = ["lose"]  # a PUT of a secret replaces: its lost answer is asked again
+            kept = await c.put_secret("HF_TOKEN", "hf_" + "v" * 16)
+            assert (kept.name, kept.scope) == ("HF_TOKEN", "owner")
+            assert [s.name for s in await c.secrets()] == ["HF_TOKEN"]
 
     in_a_loop_of_its_own(scenario)
     with Client(direct) as truth:
