@@ -8,8 +8,9 @@ CPU-seconds on the 2-core CI machine, and ~300 MB held for the life of the job) 
 functions by name, on the workers, where torch is imported anyway; the device set-up around the train loop is Ray's own
 context manager, made on the worker. Only the controller's part of Ray's `_TorchBackend.on_start` is written again here
 (the rendezvous address, then the process group on every rank), without its TPU branch: shunter asks Ray for CPUs and
-GPUs only. A Ray that renamed one of the functions gets Ray's own `TorchConfig` (`torch_config`), and
-tests/workers/test_lean_trainer.py fails so that the upgrade is seen.
+GPUs only. The rendezvous is rank 0's store, bound to a port the kernel gives it (`_listen`), not a port probed free
+and bound later, which another process can take in between. A Ray that renamed one of the functions gets Ray's own
+`TorchConfig` (`torch_config`), and tests/workers/test_lean_trainer.py fails so that the upgrade is seen.
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ from ray.train.backend import Backend, BackendConfig
 log = logging.getLogger("shunter.driver")
 
 # What this module calls of `ray.train.torch.config`, on the workers.
-RAY_TORCH_NAMES = ("_set_torch_distributed_env_vars", "_setup_torch_process_group", "_shutdown_torch",
-                   "TorchConfigContextManager")  # fmt: skip
+RAY_TORCH_NAMES = ("_set_torch_distributed_env_vars", "_shutdown_torch", "TorchConfigContextManager")
 
 
 def _ray_torch(name: str, /, **kwargs: Any) -> Any:
@@ -53,18 +53,19 @@ class LeanTorchBackend(Backend):
 
     def on_start(self, worker_group: Any, backend_config: LeanTorchConfig) -> None:
         import ray
-        from ray.train._internal.utils import get_address_and_port, update_env_vars
+        from ray.train._internal.utils import update_env_vars
 
         gpus = worker_group.get_resources_per_worker().get("GPU", 0)
         backend = backend_config.backend or ("nccl" if gpus > 0 else "gloo")
-        addr, port = worker_group.execute_single(0, get_address_and_port)
+        timeout_s = backend_config.timeout_s
+        addr, port = worker_group.execute_single(0, _listen, timeout_s=timeout_s)
+        # What torchrun sets, for code that reads them; nothing binds this port again.
         worker_group.execute(update_env_vars, {"MASTER_ADDR": addr, "MASTER_PORT": port})
         worker_group.execute(_ray_torch, "_set_torch_distributed_env_vars")  # LOCAL_RANK and the rest
         size = len(worker_group)
         ray.get([
-            worker_group.execute_single_async(i, _ray_torch, "_setup_torch_process_group", backend=backend,
-                                              world_rank=i, world_size=size, init_method="env://",
-                                              timeout_s=backend_config.timeout_s)
+            worker_group.execute_single_async(i, _join, backend=backend, world_rank=i, world_size=size, addr=addr,
+                                              port=port, timeout_s=timeout_s)
             for i in range(size)
         ])  # fmt: skip
 
@@ -84,6 +85,48 @@ class LeanTorchBackend(Backend):
             ray.get(futures, timeout=timeout)
         except GetTimeoutError:
             log.warning("torch process group shutdown timed out after %s seconds", timeout)
+        worker_group.execute_single(0, _forget_store)
+
+
+# Rank 0's rendezvous store, listening from the moment its port was chosen, for the life of the process group.
+_store: Any = None
+
+
+def _listen(*, timeout_s: int) -> tuple[str, int]:
+    """On rank 0: the process group's rendezvous store, on a port the kernel gives it as it binds; (address, port).
+
+    Ray's own set-up probes for a free port, lets it go, and has torch bind it later: in between, any process may
+    take it (an outgoing connection's ephemeral port did, in a slow-tier run: `EADDRINUSE`, and the attempt failed).
+    A store bound to port 0 holds its port from the start."""
+    from datetime import timedelta
+
+    import ray
+    import torch.distributed as dist
+
+    global _store
+    addr = ray.util.get_node_ip_address()
+    _store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    return addr, int(_store.port)
+
+
+def _join(*, backend: str, world_rank: int, world_size: int, addr: str, port: int, timeout_s: int) -> None:
+    """Every rank: the process group over rank 0's store (Ray's `_setup_torch_process_group`, but for the store)."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if backend == "nccl" and "TORCH_NCCL_BLOCKING_WAIT" not in os.environ:
+        # As Ray sets it: a collective that times out fails, instead of hanging (no blocking wait: it costs speed).
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    timeout = timedelta(seconds=timeout_s)
+    store = _store if world_rank == 0 else dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+    dist.init_process_group(backend=backend, store=store, rank=world_rank, world_size=world_size, timeout=timeout)
+
+
+def _forget_store() -> None:
+    global _store
+    _store = None
 
 
 @dataclass

@@ -8,6 +8,7 @@ tests/api/test_live_service.py."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -123,3 +124,53 @@ def test_the_controllers_process_group_config_needs_no_torch(tmp_path: Path) -> 
 
     assert not imports_torch(cloudpickle.dumps(config))
     assert imports_torch(cloudpickle.dumps(build(TorchTrainer, tmp_path).backend_config))  # Ray's own does
+
+
+def _rank(rank: int, port_box: Any, out: Any) -> None:
+    """A rank of a 2-rank gloo group set up as LeanTorchBackend does (rank 0 listens first), in a process of its own."""
+    import torch
+    import torch.distributed as dist
+
+    from workers import torch_config
+
+    if rank == 0:
+        addr, port = torch_config._listen(timeout_s=60)
+        port_box.put((addr, port))
+    else:
+        addr, port = port_box.get(timeout=60)
+    torch_config._join(backend="gloo", world_rank=rank, world_size=2, addr=addr, port=port, timeout_s=60)
+    value = torch.tensor([rank + 1.0])
+    dist.all_reduce(value)
+    out.put((rank, float(value)))
+    dist.destroy_process_group()
+    torch_config._forget_store()
+
+
+def test_the_rendezvous_port_is_held_from_the_moment_it_is_chosen() -> None:
+    """Ray's own set-up probed for a free port, let it go, and had torch bind it later; an outgoing connection took it
+    in between once (EADDRINUSE, a slow-tier attempt failed). Rank 0's store now binds port 0 and keeps what the kernel
+    gave it: nothing else can bind that port, and the group forms over it."""
+    import errno
+    import multiprocessing
+    import socket
+
+    from workers import torch_config
+
+    addr, port = torch_config._listen(timeout_s=30)
+    try:
+        probe = socket.socket()
+        with pytest.raises(OSError) as taken:
+            probe.bind((addr, port))
+        probe.close()
+        assert taken.value.errno == errno.EADDRINUSE
+    finally:
+        torch_config._forget_store()
+    ctx = multiprocessing.get_context("spawn")
+    port_box, out = ctx.Queue(), ctx.Queue()
+    ranks = [ctx.Process(target=_rank, args=(r, port_box, out)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    results = sorted(out.get(timeout=120) for _ in ranks)
+    for p in ranks:
+        p.join(timeout=60)
+    assert results == [(0, 3.0), (1, 3.0)] and all(p.exitcode == 0 for p in ranks)
