@@ -63,10 +63,14 @@ def cluster_shape(session: Session) -> ClusterSnapshot | None:
     return _shapes.get(session)
 
 
+def _seen(snapshot: ClusterSnapshot | None) -> bool:
+    return snapshot is not None and any(n.get("alive", True) and n.get("total") for n in snapshot.nodes)
+
+
 def check_fits_cluster(spec: JobSpec, snapshot: ClusterSnapshot | None) -> None:
     """Refuse what the cluster (as last seen by a dispatcher) can never run. No snapshot yet, or no live node that has
     reported its resources (a head just started lists its node before its resources): nothing to check."""
-    if snapshot is None or not any(n.get("alive", True) and n.get("total") for n in snapshot.nodes):
+    if snapshot is None or not _seen(snapshot):
         return
     res = spec.resources
     if res.use_gpu and snapshot.total.get("GPU", 0.0) <= 0:
@@ -149,14 +153,15 @@ def submit(
         from service.lifecycle.queues import check_known
 
         check_known(session, settings, spec.queue, spec.resources.accelerator_type)
+    shape = cluster_shape(session)
     try:
-        check_fits_cluster(spec, cluster_shape(session))
+        check_fits_cluster(spec, shape)
     except InvalidSpec as exc:
         if settings is None or not settings.cluster_may_grow:
             raise
-        if settings.node_types:  # what no node type can hold is refused, not kept waiting for ever
-            demand.check_node_types(spec.resources, settings.node_type_list())
         reason = f"held until the cluster grows: {exc.detail}"
+    if settings and settings.cluster_may_grow and settings.node_types and (reason[:4] == "held" or not _seen(shape)):
+        demand.check_node_types(spec.resources, settings.node_type_list())  # never holdable: refused, seen or not
     size = stored_size(dumped)
     if settings is not None:  # what the spec asks is valid (422s first); now what it would hold and use
         code_archives.use_named(session, spec, settings, owner=caller.owner)

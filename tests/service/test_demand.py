@@ -267,6 +267,20 @@ def test_with_node_types_a_job_none_can_hold_is_refused_at_submission(db: Engine
         _submit(db, settings, "alice", 8, at=NOW)
 
 
+def test_with_node_types_a_job_none_can_hold_is_refused_before_any_dispatcher_has_read_the_cluster(
+    db: Engine, tmp_path: Path
+) -> None:
+    """A service just started has no cluster snapshot yet: a submission then was taken in (a slow-tier run of the
+    autoscaling test submitted that fast). The node types alone decide it."""
+    types = {"cpu1": {"resources": {"CPU": 1}, "max": 2}, "t4": {"resources": {"CPU": 1, "accelerator_type:T4": 1},
+                                                                 "max": 1}}  # fmt: skip
+    settings = _settings(tmp_path, node_types=types)
+    with pytest.raises(InvalidSpec) as refused:
+        _submit(db, settings, "alice", 2, at=NOW, accelerator_type="T4")
+    assert refused.value.field == "resources" and "no node type can hold 2 workers" in refused.value.detail
+    _submit(db, settings, "alice", 2, at=NOW)  # two cpu1 nodes would
+
+
 def test_without_node_types_a_job_whose_room_never_comes_fails_after_the_timeout(db: Engine, tmp_path: Path) -> None:
     from service.store.models import Job, JobState
 
