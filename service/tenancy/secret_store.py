@@ -158,14 +158,11 @@ def values_for(session: Session, settings: Settings, job: Job) -> dict[str, str]
     missing = [n for n, row in found.items() if row is None]
     if missing:
         raise InvalidSpec(f"secrets: {', '.join(missing)} no longer kept for {job.owner!r}", field="secrets")
-    values = {}
-    for name, row in found.items():
-        assert row is not None
-        try:
-            values[name] = box.decrypt(row.ciphertext.encode()).decode()
-        except InvalidToken as exc:  # written under a key this deployment no longer has
-            raise InvalidSpec(f"secrets: {name} cannot be read with this service's keys; set it again",
-                              field="secrets") from exc  # fmt: skip
+    values = _readable(box, [row for row in found.values() if row is not None])
+    unreadable = [n for n in found if n not in values]  # written under a key this deployment no longer has
+    if unreadable:
+        raise InvalidSpec(f"secrets: {unreadable[0]} cannot be read with this service's keys; set it again",
+                          field="secrets")  # fmt: skip
     return values
 
 
@@ -183,24 +180,22 @@ def masker_for(engine: Engine, settings: Settings, job_id: str) -> Masker:
         job = session.get(Job, job_id)
         if job is None or not (job.spec or {}).get("secrets"):
             mask = NOTHING
-        else:
-            try:
-                mask = Masker(values_for(session, settings, job).values())
-            except InvalidSpec:
-                found = resolve(session, job.spec["secrets"], owner=job.owner, team=job.team)
-                box = cipher(engine, settings)
-                mask = Masker(_readable(box, [r for r in found.values() if r is not None]))
+        else:  # what is still kept and readable (a job whose secret went is masked for the rest)
+            box = cipher(engine, settings)
+            found = resolve(session, job.spec["secrets"], owner=job.owner, team=job.team)
+            mask = Masker(_readable(box, [r for r in found.values() if r is not None]).values())
     if len(_masks) > 10_000:
         _masks.clear()
     _masks[job_id] = (now, mask)
     return mask
 
 
-def _readable(box: MultiFernet, rows: list[Secret]) -> list[str]:
-    out = []
+def _readable(box: MultiFernet, rows: list[Secret]) -> dict[str, str]:
+    """Each row's value by name, for the rows this deployment's keys decrypt."""
+    out = {}
     for row in rows:
         try:
-            out.append(box.decrypt(row.ciphertext.encode()).decode())
+            out[row.name] = box.decrypt(row.ciphertext.encode()).decode()
         except InvalidToken:
             continue
     return out
