@@ -20,11 +20,11 @@ from sqlalchemy import update
 from sqlmodel import Session, col
 
 from api.deps import RuntimeDep, SettingsDep
-from api.routes.internal import PREFIX, AttemptNo, JobId, Scope, _Body
+from api.routes.internal import PREFIX, AttemptNo, JobId, Scope, _Body, on_attempt
 from api.schemas import ERROR_RESPONSES
-from service.core.errors import Conflict, Forbidden, NotFound, Unauthorized
+from service.core.errors import Forbidden, Unauthorized
 from service.store.db import session_scope
-from service.store.models import ACTIVE_STATES, Attempt, Job, JobState
+from service.store.models import Attempt
 from service.tenancy import attempt_tokens, secret_store
 
 router = APIRouter(prefix=PREFIX, tags=["internal"], responses=ERROR_RESPONSES)
@@ -42,15 +42,6 @@ class Credential(BaseModel):
 
 class Secrets(BaseModel):
     secrets: dict[str, str]
-
-
-def _on_attempt(session: Session, job_id: str, attempt: int) -> Job:
-    job = session.get(Job, job_id)
-    if job is None:
-        raise NotFound(f"job {job_id} not found")
-    if job.attempt != attempt or job.state not in ACTIVE_STATES or job.state == JobState.CANCELLING:
-        raise Conflict(f"job {job_id} is no longer on attempt {attempt}")
-    return job
 
 
 @router.post("/{job_id}/{attempt}/bootstrap", response_model=Credential)
@@ -75,7 +66,7 @@ def bootstrap(
         raise Forbidden("this bootstrap credential is for another job or attempt")
     nonce = hashlib.sha256(body.nonce.encode()).hexdigest()
     with session_scope(rt.engine) as session:
-        owner = _on_attempt(session, job_id, attempt).owner
+        owner = on_attempt(session, job_id, attempt).owner
         taken = session.execute(
             update(Attempt)
             .where(col(Attempt.job_id) == job_id, col(Attempt.number) == attempt, col(Attempt.ended_at).is_(None))
@@ -93,7 +84,7 @@ def secrets(scope: Scope, response: Response, rt: RuntimeDep, settings: Settings
     """The values of the secrets the job's spec names, by name (422 naming one no longer kept)."""
     job_id, attempt = scope
     with Session(rt.engine) as session:
-        job = _on_attempt(session, job_id, attempt)
+        job = on_attempt(session, job_id, attempt)
         values = secret_store.values_for(session, settings, job)
     response.headers.update(NO_STORE)
     return Secrets(secrets=values)

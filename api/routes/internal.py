@@ -287,11 +287,17 @@ def spec(scope: Scope, rt: RuntimeDep) -> dict[str, Any]:
     that driver, refused its spec here, exits instead of training unseen with the cluster's room."""
     job_id, attempt = scope
     with Session(rt.engine) as session:
-        job = session.get(Job, job_id)
-        if job is None:
-            raise NotFound(f"job {job_id} not found")
-        if job.attempt != attempt or job.state not in ACTIVE_STATES:
-            raise Conflict(f"job {job_id} is no longer on attempt {attempt}")
-        if job.state == JobState.CANCELLING:
-            raise Conflict(f"job {job_id} is being cancelled: attempt {attempt} must not start")
+        job = on_attempt(session, job_id, attempt)
         return submission.driver_spec(session, job, rt.settings)  # `${deps.<as>...}` in its config filled in
+
+
+def on_attempt(session: Session, job_id: str, attempt: int) -> Job:
+    """The job, while it is on `attempt`, active and not being cancelled (404, else 409)."""
+    job = session.get(Job, job_id)
+    if job is None:
+        raise NotFound(f"job {job_id} not found")
+    if job.attempt != attempt or job.state not in ACTIVE_STATES:
+        raise Conflict(f"job {job_id} is no longer on attempt {attempt}")
+    if job.state == JobState.CANCELLING:
+        raise Conflict(f"job {job_id} is being cancelled: attempt {attempt} must not start")
+    return job
