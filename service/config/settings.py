@@ -242,7 +242,12 @@ class Settings(BaseSettings):
     webhook_backoff_max_seconds: float = Field(600.0, gt=0)
     webhook_timeout_seconds: float = Field(5.0, gt=0, le=60)
     webhook_concurrency: int = Field(8, ge=1, le=64, description="deliveries in flight at once per process")
-    webhook_poll_seconds: float = Field(0.5, gt=0)
+    webhook_poll_seconds: float = Field(
+        0.5,
+        gt=0,
+        description="how often the outbox is read while it has work; "
+        "after passes that found none, up to 4 times as long",
+    )
 
     @field_validator("job_env", "queues", "api_tokens", "quotas", "fair_share", "node_types", mode="before")
     @classmethod

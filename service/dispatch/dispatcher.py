@@ -60,6 +60,8 @@ from service.tenancy.secret_store import masker_for
 
 log = logging.getLogger(__name__)
 STOP_RESEND_SECONDS = 5.0
+LEASE_PASSES = 5  # lease renewals (and adoptions of expired ones) per lease_seconds
+SNAPSHOT_REFRESH_SECONDS = 5.0  # an unchanged cluster snapshot is stored again this often (its `taken_at` is shown)
 
 
 class Dispatcher(Finishing, HostEffects):
@@ -84,6 +86,9 @@ class Dispatcher(Finishing, HostEffects):
         self.chores = Chores(engine=engine, settings=settings, ray=ray)  # cluster-wide housekeeping, now and then
         self.scaling = Scaling(engine=engine, settings=settings, ray=ray, owner=owner)  # asks a growing cluster
         self._dead_nodes: dict[str, bool] = {}  # from the last cluster read (service.policy.reconcile.decide)
+        self._next_lease_pass = 0.0  # monotonic: when the leases are next renewed (`tick`)
+        self._may_hold = True  # False once a read found it holds no lease, until it gains one (`tick`)
+        self._stored: tuple[object, float] | None = None  # the last snapshot stored, and when (monotonic)
         self.nodes = NodeHistory()  # which nodes went draining or dead, and when (bears out node_draining ends)
         self.late = LateLogs(engine=engine, ray=ray, files=self.files, owner=owner,
                              linger_seconds=settings.driver_linger_seconds,
@@ -129,17 +134,24 @@ class Dispatcher(Finishing, HostEffects):
     def tick(self) -> None:
         started = time.monotonic()
         now = utcnow()
-        with session_scope(self.engine) as session:
-            leases.heartbeat(session, owner=self.owner, now=now, seconds=self.settings.lease_seconds)
-            leases.take_over(
-                session, owner=self.owner, now=now, seconds=self.settings.lease_seconds, include_own=not self._started
-            )
+        if not self._started or started >= self._next_lease_pass:
+            # Leases are renewed (and dead dispatchers' jobs adopted) five times a lease, not at every tick: each pass
+            # is a write transaction, and at a tick of 0.25 s an idle service spent most of its CPU on them.
+            self._next_lease_pass = started + self.settings.lease_seconds / LEASE_PASSES
+            with session_scope(self.engine) as session:
+                leases.heartbeat(session, owner=self.owner, now=now, seconds=self.settings.lease_seconds)
+                if leases.take_over(session, owner=self.owner, now=now, seconds=self.settings.lease_seconds,
+                                    include_own=not self._started):  # fmt: skip
+                    self._may_hold = True
         if not self._started:
             self.late.pick_up(now)
         self._started = True
         cluster = self.read_cluster()  # None when Ray cannot be read: what we hold is reconciled all the same
-        with Session(self.engine, expire_on_commit=False) as session:
-            mine = leases.owned_with_attempts(session, owner=self.owner)
+        mine: list[tuple[Job, Attempt | None]] = []
+        if self._may_hold:  # a job is gained only by admitting or adopting it: holding none, no read is needed
+            with Session(self.engine, expire_on_commit=False) as session:
+                mine = leases.owned_with_attempts(session, owner=self.owner)
+            self._may_hold = bool(mine)
         # Reconciling is mostly waiting (Ray's HTTP API, the database): overlap it across the jobs held. The attempts
         # Ray says ended are written together after (service.dispatch.finishing).
         ends = self._pool.map(lambda held: self._safely(held[0], self._reconcile_held, *held), mine)
@@ -204,14 +216,19 @@ class Dispatcher(Finishing, HostEffects):
         return cluster
 
     def _store_snapshot(self, cluster: ClusterView) -> None:
+        """Store what was read, when it differs from what this dispatcher stored last or that is
+        SNAPSHOT_REFRESH_SECONDS old (a write transaction at every tick was much of an idle service's CPU)."""
+        nodes = [{"node_id": n.node_id, "address": n.address, "alive": n.alive, "total": n.total,
+                  "available": n.available} for n in cluster.nodes]  # fmt: skip
+        seen = (self.ray.dashboard_url, nodes, cluster.total, cluster.available, self.scaling.view())
+        if self._stored is not None and self._stored[0] == seen and time.monotonic() < self._stored[1]:
+            return
         with session_scope(self.engine) as session:
             snap = session.get(ClusterSnapshot, 1) or ClusterSnapshot(id=1)
-            snap.dashboard_url = self.ray.dashboard_url
-            snap.nodes = [{"node_id": n.node_id, "address": n.address, "alive": n.alive, "total": n.total,
-                           "available": n.available} for n in cluster.nodes]  # fmt: skip
-            snap.total, snap.available, snap.taken_at = cluster.total, cluster.available, utcnow()
-            snap.scale_request = self.scaling.view()
+            snap.dashboard_url, snap.nodes, snap.total, snap.available, snap.scale_request = seen
+            snap.taken_at = utcnow()
             session.add(snap)
+        self._stored = (seen, time.monotonic() + SNAPSHOT_REFRESH_SECONDS)
 
     # ---- admission ------------------------------------------------------------------------------------------
     def admit(self, cluster: ClusterView) -> list[str]:
@@ -221,6 +238,7 @@ class Dispatcher(Finishing, HostEffects):
             self.engine, self.settings, cluster, owner=self.owner, spec_of=self.spec_of, resources_of=self.resources_of,
             attempts=attempts, scaling=self.scaling,
         )  # fmt: skip
+        self._may_hold = self._may_hold or bool(started)
         self.scaling.send(started)  # the autoscaler's request, when it changed (outside the pass's transaction)
         for victim in victims:
             self._host_effect(victim, "preemption notice", self._write_notice, victim)

@@ -50,6 +50,7 @@ from service.workflows import notifications as notify
 
 log = logging.getLogger(__name__)
 PER_URL_IN_FLIGHT = 2
+IDLE_POLLS = 4  # an idle outbox is looked at every 4 polls at most (Sender.run)
 
 
 def owner_in_flight(concurrency: int) -> int:
@@ -154,13 +155,19 @@ class Sender:
                                     headers={"User-Agent": USER_AGENT})  # fmt: skip
 
     def run(self, stop: threading.Event) -> None:
+        """A pass every `webhook_poll_seconds` while there is something to send; after a pass that found nothing,
+        the wait doubles up to IDLE_POLLS times that (an idle service polled its empty outbox twice a second)."""
+        wait = self.settings.webhook_poll_seconds
         try:
             while not stop.is_set():
                 try:
-                    self.pass_once()
+                    busy = self.pass_once() > 0 or bool(self._in_flight)
                 except Exception:  # noqa: BLE001 - no database for a moment: the next pass tries again
                     log.exception("webhook pass failed")
-                stop.wait(self.settings.webhook_poll_seconds)
+                    busy = False
+                poll = self.settings.webhook_poll_seconds
+                wait = poll if busy else min(2 * wait, IDLE_POLLS * poll)
+                stop.wait(wait)
         finally:
             self._pool.shutdown(wait=True)
             self._client.close()
