@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy.engine import Engine
@@ -60,8 +61,7 @@ from service.tenancy.secret_store import masker_for
 
 log = logging.getLogger(__name__)
 STOP_RESEND_SECONDS = 5.0
-LEASE_PASSES = 5  # lease renewals (and adoptions of expired ones) per lease_seconds
-SNAPSHOT_REFRESH_SECONDS = 5.0  # an unchanged cluster snapshot is stored again this often (its `taken_at` is shown)
+LEASE_PASSES, SNAPSHOT_REFRESH_SECONDS = 5, 5.0  # lease renewals per lease; an unchanged snapshot stored this often
 
 
 class Dispatcher(Finishing, HostEffects):
@@ -86,7 +86,7 @@ class Dispatcher(Finishing, HostEffects):
         self.chores = Chores(engine=engine, settings=settings, ray=ray)  # cluster-wide housekeeping, now and then
         self.scaling = Scaling(engine=engine, settings=settings, ray=ray, owner=owner)  # asks a growing cluster
         self._dead_nodes: dict[str, bool] = {}  # from the last cluster read (service.policy.reconcile.decide)
-        self._next_lease_pass = 0.0  # monotonic: when the leases are next renewed (`tick`)
+        self._next_lease_pass: datetime | None = None  # when the leases are next renewed (`tick`)
         self._may_hold = True  # False once a read found it holds no lease, until it gains one (`tick`)
         self._stored: tuple[object, float] | None = None  # the last snapshot stored, and when (monotonic)
         self.nodes = NodeHistory()  # which nodes went draining or dead, and when (bears out node_draining ends)
@@ -134,10 +134,10 @@ class Dispatcher(Finishing, HostEffects):
     def tick(self) -> None:
         started = time.monotonic()
         now = utcnow()
-        if not self._started or started >= self._next_lease_pass:
-            # Leases are renewed (and dead dispatchers' jobs adopted) five times a lease, not at every tick: each pass
-            # is a write transaction, and at a tick of 0.25 s an idle service spent most of its CPU on them.
-            self._next_lease_pass = started + self.settings.lease_seconds / LEASE_PASSES
+        if self._next_lease_pass is None or now >= self._next_lease_pass:
+            # Five times a lease, not every tick (a write transaction each: most of an idle service's CPU at 0.25 s),
+            # by the clock leases expire by (a simulation's virtual one jumps).
+            self._next_lease_pass = now + timedelta(seconds=self.settings.lease_seconds / LEASE_PASSES)
             with session_scope(self.engine) as session:
                 leases.heartbeat(session, owner=self.owner, now=now, seconds=self.settings.lease_seconds)
                 if leases.take_over(session, owner=self.owner, now=now, seconds=self.settings.lease_seconds,
