@@ -11,7 +11,7 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import insert, or_, update
+from sqlalchemy import insert, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
@@ -56,7 +56,7 @@ def admit(
     started: list[Job] = []
     victims: list[Job] = []
     with session_scope(engine, write=False) as session:  # the common idle pass: a read, no write lock, no pass
-        if not _anything_ready(session, now) and not _may_grow(session, settings, spec_of):
+        if not leases.any_ready(session, now=now) and not _may_grow(session, settings, spec_of):
             return started, victims
     # Under the admission lock every round trip is paid by every dispatcher: without autoflush the loop's event and
     # attempt rows go in as batched INSERTs at commit (measured with bench/claims.py).
@@ -169,13 +169,6 @@ def _running(active: list[Job], spec_of: SpecOf) -> list[demand.Running]:
             res = spec.resources
             out.append(demand.Running(job.id, res.per_worker(), res.workers(job.world_size), res.placement.value))
     return out
-
-
-def _anything_ready(session: Session, now: datetime) -> bool:
-    """Whether any queued job is past its backoff and waits on no dependency (what `leases.queued` reads)."""
-    ready = select(Job.id).where(Job.state == JobState.QUEUED, Job.waiting_on == 0)
-    ready = ready.where(or_(col(Job.not_before).is_(None), col(Job.not_before) <= now))
-    return session.exec(ready.limit(1)).first() is not None
 
 
 def _may_grow(session: Session, settings: Settings, spec_of: SpecOf) -> bool:

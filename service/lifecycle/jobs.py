@@ -70,7 +70,7 @@ def _seen(snapshot: ClusterSnapshot | None) -> bool:
 def check_fits_cluster(spec: JobSpec, snapshot: ClusterSnapshot | None) -> None:
     """Refuse what the cluster (as last seen by a dispatcher) can never run. No snapshot yet, or no live node that has
     reported its resources (a head just started lists its node before its resources): nothing to check."""
-    if snapshot is None or not _seen(snapshot):
+    if not _seen(snapshot):
         return
     res = spec.resources
     if res.use_gpu and snapshot.total.get("GPU", 0.0) <= 0:
@@ -153,14 +153,14 @@ def submit(
         from service.lifecycle.queues import check_known
 
         check_known(session, settings, spec.queue, spec.resources.accelerator_type)
-    shape = cluster_shape(session)
+    shape, held = cluster_shape(session), False
     try:
         check_fits_cluster(spec, shape)
     except InvalidSpec as exc:
         if settings is None or not settings.cluster_may_grow:
             raise
-        reason = f"held until the cluster grows: {exc.detail}"
-    if settings and settings.cluster_may_grow and settings.node_types and (reason[:4] == "held" or not _seen(shape)):
+        reason, held = f"held until the cluster grows: {exc.detail}", True
+    if settings and settings.cluster_may_grow and settings.node_types and (held or not _seen(shape)):
         demand.check_node_types(spec.resources, settings.node_type_list())  # never holdable: refused, seen or not
     size = stored_size(dumped)
     if settings is not None:  # what the spec asks is valid (422s first); now what it would hold and use

@@ -37,6 +37,20 @@ def lock_admission(session: Session) -> None:
         session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADMISSION_LOCK_KEY})
 
 
+def ready(now: datetime) -> tuple[ColumnElement[bool], ...]:
+    """What makes a job ready to admit: queued, past any retry backoff, waiting on no dependency."""
+    return (
+        Job.state == JobState.QUEUED,
+        Job.waiting_on == 0,
+        or_(col(Job.not_before).is_(None), col(Job.not_before) <= now),
+    )
+
+
+def any_ready(session: Session, *, now: datetime) -> bool:
+    """Whether any job is `ready`: all that an idle admission pass reads."""
+    return session.exec(select(Job.id).where(*ready(now)).limit(1)).first() is not None
+
+
 def queued(session: Session, *, now: datetime, limit: int = 500, where: ColumnElement[bool] | None = None) -> list[Job]:
     """Queued jobs in admission order (priority, then FIFO), past any retry backoff, waiting on no dependency.
 
@@ -45,8 +59,7 @@ def queued(session: Session, *, now: datetime, limit: int = 500, where: ColumnEl
     """
     query = (
         select(Job)
-        .where(Job.state == JobState.QUEUED, Job.waiting_on == 0)
-        .where(or_(col(Job.not_before).is_(None), col(Job.not_before) <= now))
+        .where(*ready(now))
         .order_by(col(Job.priority).desc(), col(Job.created_at), col(Job.id))
         .limit(limit)
         .with_for_update(skip_locked=True)
@@ -61,13 +74,9 @@ def queued_heads(
 ) -> list[Job]:
     """The first queued jobs of every owner (priority, then FIFO), past any retry backoff: what fair share orders.
     Each owner gives `limit / owners` (at least 4), so one owner's thousand jobs never hide another's first."""
-    ready = (
-        Job.state == JobState.QUEUED,
-        Job.waiting_on == 0,  # a job waiting on its dependencies is no head: it must not hold the owner's places
-        or_(col(Job.not_before).is_(None), col(Job.not_before) <= now),
-    )
+    conditions = ready(now)  # a job waiting on its dependencies is no head: it must not hold the owner's places
     if where is not None:
-        ready = (*ready, where)
+        conditions = (*conditions, where)
     owners = _queued_owners(session)
     if len(owners) <= 1:
         return queued(session, now=now, limit=limit, where=where)
@@ -76,7 +85,7 @@ def queued_heads(
     for owner in owners:
         query = (
             select(Job)
-            .where(*ready, Job.owner == owner)
+            .where(*conditions, Job.owner == owner)
             .order_by(col(Job.priority).desc(), col(Job.created_at), col(Job.id))
             .limit(each)
             .with_for_update(skip_locked=True)
