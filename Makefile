@@ -17,9 +17,9 @@ install: $(VENV)/.installed
 demo: install
 	bash deploy/demo.sh
 
-# Two runs, one after the other: the fast tier on three pytest-xdist workers for the two cores (its last minutes are
-# mostly tests that wait on a tick, a timeout or a subprocess: with two workers the CPU was 50-80 % idle then; 6:56 with three, 7:51 with
-# two, on 2026-12-06), handed out one case at a time (--maxschedchunk 1) in the order tests/conftest.py gives
+# Two runs, one after the other: the fast tier on four pytest-xdist workers for the two cores (many of its cases wait
+# on a tick, a timeout, a subprocess or a browser, which leaves a core idle: 5:46 with four workers, the machine 92 %
+# busy, against 6:38 with three, one after the other on 2026-12-07; 6:56 with three, 7:51 with two, on 2026-12-06), handed out one case at a time (--maxschedchunk 1) in the order tests/conftest.py gives
 # (longest and heaviest first): xdist's default first hands each worker a quarter of its share in one block, so one
 # worker got every long case while the others ran out of work (8:11-8:52 so; 6:35 one at a time). Then the slow
 # tier (real Ray, real processes) on two lanes: each lane runs whole groups (a module, or every multi-node test:
@@ -44,7 +44,7 @@ test: install
 	$(PY) -m compileall -q -j 0 api service workers examples tests bench
 	rc=0; \
 	$(PY) -m workers.warmup > .warmup.log 2>&1 & warmup=$$!; \
-	timeout -s INT -k 60 $(LEFT) $(PY) -m pytest -m "not slow" -n 3 --maxschedchunk 1 $(PYTEST_ARGS) || rc=$$?; \
+	timeout -s INT -k 60 $(LEFT) $(PY) -m pytest -m "not slow" -n 4 --maxschedchunk 1 $(PYTEST_ARGS) || rc=$$?; \
 	wait $$warmup || { cat .warmup.log; echo "workers.warmup failed" >&2; rc=1; }; \
 	timeout -s INT -k 60 $(LEFT) $(PY) -m pytest -m slow -n 2 --dist loadscope $(PYTEST_ARGS) || rc=$$?; \
 	exit $$rc

@@ -1,9 +1,12 @@
 """Fair share on a real local Ray: alice queues two 2-worker jobs, then bob one; bob's runs second, not
 third as first come, first served would run it. (First come, first served within one owner is the fair-share
-table's case "fifo", tests/service/test_fair_share.py.)
+table's case "fifo", tests/service/test_fair_share.py.) The jobs cannot fit beside each other: bob's waits with its
+reason, and they run one after another, never two worker groups at once (the suite's real-Ray proof of it since
+issue 34, which folded tests/service/test_scheduling_ray.py's two-job case in here).
 
-The session's Ray head has 4 logical CPUs, so each job asks 2 CPUs per worker: one worker group fills the cluster and
-the jobs run one at a time, as 1-CPU-worker jobs would on a 2-CPU machine.
+The session's Ray head has 4 logical CPUs, so each job asks them all, on one worker (fair share is about whose job
+runs next, not how many workers it has; a worker process costs ~3 CPU-s to start, issue 34): the jobs run one at a
+time, as jobs of a whole machine would.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import pytest
 
 from api.client import Client
 from service.backends.ray_local import free_port
+from service.policy.scheduler import WAITING_FOR_ROOM
 from tests.conftest import RAY_TEST_CPUS, wait_for
 from tests.service.conftest import Service, service_env, stop_leftover_ray_jobs
 from tests.service.test_e2e_serve import mlp_spec
@@ -37,7 +41,7 @@ def svc(ray_head, tmp_path: Path) -> Iterator[Service]:
 
 def test_bobs_one_job_runs_second_behind_alices_running_one_not_third(svc: Service) -> None:
     spec = mlp_spec(total_steps=10, checkpoint_every=10)
-    spec["resources"] = {"num_workers": 2, "resources_per_worker": {"CPU": RAY_TEST_CPUS / 2}}
+    spec["resources"] = {"num_workers": 1, "resources_per_worker": {"CPU": RAY_TEST_CPUS}}
     with Client(svc.url, token="tok-alice") as alice, Client(svc.url, token="tok-bob") as bob:
         first = alice.submit(spec | {"name": "alice-0"}).id
         wait_for(lambda: alice.get(first).state in ("STARTING", "RUNNING"), timeout=60, what="alice's first admitted")
@@ -45,6 +49,9 @@ def test_bobs_one_job_runs_second_behind_alices_running_one_not_third(svc: Servi
         mine = bob.submit(spec | {"name": "bob-0"}).id
         queued = bob.get(mine)
         assert queued.state == "QUEUED" and queued.position is not None
+        wait_for(lambda: WAITING_FOR_ROOM in (bob.get(mine).state_reason or ""), timeout=30,
+                 what="bob's job to wait with its reason")  # fmt: skip
+        assert bob.get(mine).state == "QUEUED"
         assert queued.position.overall == 1, queued  # already next: alice is using the cluster, bob is not
         for job_id in [first, *rest]:
             assert alice.wait(job_id, timeout=300).state == "SUCCEEDED"
@@ -55,6 +62,12 @@ def test_bobs_one_job_runs_second_behind_alices_running_one_not_third(svc: Servi
         order = sorted(starts, key=starts.__getitem__)
         assert order.index(mine) == 1, f"bob's job started {order.index(mine) + 1}th"
         assert order[0] == first and [j for j in order if j != mine] == [first, *rest]  # FIFO within alice's
+        # Never two worker groups at once: each job is admitted only once the one before it has ended its training
+        # and Ray has released its workers (which can be a moment before that one's driver exits and it SUCCEEDED).
+        clients = {first: alice, **{j: alice for j in rest}, mine: bob}
+        for before, after in zip(order, order[1:], strict=False):
+            last_step = max(m.at for m in clients[before].metrics(before, name="loss"))
+            assert starts[after] >= last_step, (before, after)
         # Each sees their own fair-share line only (another owner's usage is theirs): alice's usage is above bob's.
         share = {}
         for token in ("tok-alice", "tok-bob"):

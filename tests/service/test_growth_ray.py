@@ -25,8 +25,12 @@ def test_an_elastic_job_grows_to_its_max_when_room_frees_up(ray_head: LocalHead,
     try:
         with svc.client() as c:
             # 2 of the head's 4 CPUs held by a job that runs until cancelled: admitted is enough (its CPUs are counted
-            # from then on), so the two jobs start side by side
-            blocker = c.submit(mlp_spec(total_steps=100_000, step_sleep=0.05, checkpoint_every=NEVER))
+            # from then on), so the two jobs start side by side. One worker of 2 CPUs: holding room needs no second
+            # worker process (~3 CPU-s to start; issue 34).
+            blocker = c.submit(
+                mlp_spec(total_steps=100_000, step_sleep=0.05, checkpoint_every=NEVER)
+                | {"resources": {"num_workers": 1, "resources_per_worker": {"CPU": 2}}}
+            )
             wait_for(lambda: c.get(blocker.id).state in ("STARTING", "RUNNING"), timeout=120, what="blocker admitted")
             spec = {"name": "grows", "entrypoint": {"callable": "examples.gpt2_tiny:train_loop"},
                     "config": {"steps": 40, "checkpoint_every": 1000, "step_sleep": 0.1},

@@ -33,23 +33,6 @@ def state_events(c, job_id: str) -> list:
     return [e for e in c.events(job_id) if e.kind == "state"]
 
 
-def test_two_jobs_that_cannot_both_fit_run_one_after_the_other(svc: Service) -> None:
-    with svc.client() as c:
-        first = c.submit(mlp_spec(total_steps=30, step_sleep=0.05) | {"name": "first"})
-        wait_for(lambda: c.get(first.id).state in ("STARTING", "RUNNING"), timeout=60, what="first admitted")
-        second = c.submit(mlp_spec(total_steps=10) | {"name": "second"})
-        wait_for(lambda: "waiting for room" in (c.get(second.id).state_reason or ""), timeout=30,
-                 what="second to wait with a reason")  # fmt: skip
-        assert c.get(second.id).state == "QUEUED"
-        assert c.wait(first.id, timeout=240).state == "SUCCEEDED"
-        assert c.wait(second.id, timeout=240).state == "SUCCEEDED"
-        # Never both worker groups at once: the second is admitted only once the first's training has ended and
-        # Ray has released its workers (which can be a moment before the first's driver exits and it is SUCCEEDED).
-        first_last_step = max(m.at for m in c.metrics(first.id, name="loss"))
-        second_start = next(e.at for e in state_events(c, second.id) if e.to_state == "STARTING")
-        assert second_start >= first_last_step
-
-
 @pytest.mark.parametrize(("placement", "distinct_nodes"), [("pack", 1), ("spread", 2)])
 def test_pack_and_spread_placement(svc: Service, multinode: MultiNode, placement: str,
                                    distinct_nodes: int) -> None:  # fmt: skip

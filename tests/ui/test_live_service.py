@@ -33,13 +33,13 @@ def token_service(tmp_path: Path, ray_head: LocalHead) -> Iterator[Service]:
     stop_leftover_ray_jobs(ray_head)
 
 
-def mlp(name: str, workers: int, **config: Any) -> dict[str, Any]:
+def mlp(name: str, workers: int, cpus: int = 1, **config: Any) -> dict[str, Any]:
     return {
         "name": name,
         "entrypoint": {"callable": "examples.mlp:train_loop"},
         "config": {"total_steps": 30, "checkpoint_every": 10, "report_every": 5, **config},
         "strategy": {"kind": "ddp"},
-        "resources": {"num_workers": workers, "resources_per_worker": {"CPU": 1}},
+        "resources": {"num_workers": workers, "resources_per_worker": {"CPU": cpus}},
         "checkpoint": {"keep": 2},
     }
 
@@ -61,8 +61,9 @@ def test_a_real_job_on_the_page(token_service: Service, context: Any, browser: A
     w.page.evaluate(STATE_RECORDER)
     load = w.page.evaluate("window.__pageLoad")
 
-    # A job that holds all 4 CPUs of the session's Ray head, so the next one must wait in the queue.
-    blocker = submit(svc, mlp("blocker", 4, total_steps=100_000, step_sleep=0.05, checkpoint_every=NEVER))
+    # A job that holds all 4 CPUs of the session's Ray head, so the next one must wait in the queue: one worker of
+    # 4 CPUs (holding room needs no more worker processes, ~3 CPU-s each to start; issue 34).
+    blocker = submit(svc, mlp("blocker", 1, cpus=4, total_steps=100_000, step_sleep=0.05, checkpoint_every=NEVER))
     w.page.wait_for_selector(f'tr[data-job-id="{blocker}"] .state[data-state="RUNNING"]', timeout=180_000)
     job = submit(svc, mlp("mlp-page", 2, step_sleep=0.1))
     expect_state(w, job, "QUEUED")
