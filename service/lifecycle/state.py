@@ -123,7 +123,7 @@ def transition_many(
     if not locked:
         ids = sorted({m.job.id for m in moves})
         rows = session.execute(
-            select(Job.id, Job.state, Job.lease_token).where(col(Job.id).in_(ids)).order_by(col(Job.id))
+            select(col(Job.id), col(Job.state), col(Job.lease_token)).where(col(Job.id).in_(ids)).order_by(col(Job.id))
             .with_for_update()
         ).all()  # fmt: skip
         current = {r[0]: (JobState(r[1]), r[2]) for r in rows}
@@ -160,10 +160,10 @@ def transition_many(
         notifications.enqueue(session, m.job, from_state=frm, to_state=m.to, reason=m.reason, message=m.message, at=now)
     ended = [m.job for m, _ in planned if m.to.is_terminal]
     if ended:  # one read for the whole batch: only jobs something still waits on have dependents to settle
-        waited_on = set(session.exec(
-            select(JobDependency.depends_on).where(col(JobDependency.depends_on).in_([j.id for j in ended]),
+        waited_on = set(session.execute(
+            select(col(JobDependency.depends_on)).where(col(JobDependency.depends_on).in_([j.id for j in ended]),
                                                    col(JobDependency.outcome).is_(None))
-        ).all())  # fmt: skip
+        ).scalars().all())  # fmt: skip  (ids: SQLAlchemy's select through `exec` reads rows, which no id is in)
         for job in ended:
             if job.id in waited_on:
                 dependencies.settle(session, job, now=now, actor=actor, transition=transition,

@@ -19,7 +19,7 @@ from service.config.settings import Settings
 from service.core.errors import Conflict, InvalidSpec
 from service.dispatch import submission
 from service.lifecycle import jobs, leases
-from service.lifecycle.state import transition
+from service.lifecycle.state import Move, transition, transition_many
 from service.spec.depends_on import Condition, OnFailure, references, substitute
 from service.spec.job import JobSpec
 from service.store.models import EndReason, Job, JobDependency, JobEvent, JobState
@@ -187,6 +187,25 @@ def test_a_job_waits_for_its_dependencies_and_is_ready_after_the_last(db: Engine
                                                            JobEvent.reason == "dependency_met")).all()  # fmt: skip
         assert said == ["job b ended FAILED; waiting for job a to succeed (1 of 2 dependencies left)",
                         f"job a ended SUCCEEDED; {dependencies.READY_REASON}"]  # fmt: skip
+
+
+def test_jobs_ended_together_in_one_batch_settle_their_dependents(db: Engine) -> None:
+    """The dispatcher writes the ends of a pass in one batch (`transition_many`, service/dispatch/finishing.py) when
+    two or more jobs end together: their dependents settle in that same transaction, as after one job's end. (The
+    batch read which ended jobs are waited on as rows, not ids, and so settled none: mypy found it, issue 36.)"""
+    put(db, "a")
+    put(db, "b")
+    c = submit(db, depends_on=[{"job": "a"}, {"job": "b", "on": "ended"}])
+    assert row(db, c).waiting_on == 2
+    with Session(db) as session:
+        ending = [session.get(Job, "a"), session.get(Job, "b")]
+        moves = [Move(job, S.SUCCEEDED, EndReason.SUCCEEDED.value, values={"end_reason": EndReason.SUCCEEDED})
+                 for job in ending if job is not None]  # fmt: skip
+        assert transition_many(session, moves, actor="test") == []
+        session.commit()
+    job = row(db, c)
+    assert (job.waiting_on, job.state, job.state_reason) == (0, S.QUEUED, dependencies.READY_REASON)
+    assert c in admissible(db)
 
 
 @pytest.mark.parametrize(("policy", "state"), [("fail", S.FAILED), ("cancel", S.CANCELLED)])
