@@ -11,6 +11,7 @@ transient failure).
 from __future__ import annotations
 
 import asyncio
+import builtins  # the classes' own `list` method shadows it in their annotations
 import time
 import uuid
 from pathlib import Path
@@ -95,7 +96,7 @@ class AsyncClient:
     async def cancel(self, job_id: str) -> dict[str, Any]:
         return dict(await self._call("POST", f"/v1/jobs/{job_id}/cancel"))
 
-    async def events(self, job_id: str) -> list[EventPublic]:
+    async def events(self, job_id: str) -> builtins.list[EventPublic]:
         """Every event of the job, page after page."""
         out: list[EventPublic] = []
         params: dict[str, Any] = {}

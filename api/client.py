@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins  # the classes' own `list` method shadows it in their annotations
 import fnmatch
 import os
 import tempfile
@@ -239,11 +240,11 @@ class Client:
                 return
             params["after"] = after
 
-    def events(self, job_id: str, *, after: int = 0) -> list[EventPublic]:
+    def events(self, job_id: str, *, after: int = 0) -> builtins.list[EventPublic]:
         """The job's events after `after`, oldest first: every page of them."""
         return [EventPublic.model_validate(e) for e in self._pages(f"/v1/jobs/{job_id}/events", {"after": after})]
 
-    def all_events(self, *, after: int = 0, limit: int = 100) -> list[EventPublic]:
+    def all_events(self, *, after: int = 0, limit: int = 100) -> builtins.list[EventPublic]:
         """Events of every job the caller may see, oldest first."""
         rows = self._call("GET", "/v1/events", params={"after": after, "limit": limit})
         return [EventPublic.model_validate(e) for e in rows]
@@ -285,14 +286,14 @@ class Client:
         """The raw Prometheus text of `GET /metrics`."""
         return str(self._call("GET", "/metrics"))
 
-    def attempts(self, job_id: str) -> list[AttemptPublic]:
+    def attempts(self, job_id: str) -> builtins.list[AttemptPublic]:
         return [AttemptPublic.model_validate(a) for a in self._call("GET", f"/v1/jobs/{job_id}/attempts")]
 
-    def checkpoints(self, job_id: str) -> list[CheckpointPublic]:
+    def checkpoints(self, job_id: str) -> builtins.list[CheckpointPublic]:
         """Every checkpoint of the job, in the order they were recorded (every page)."""
         return [CheckpointPublic.model_validate(c) for c in self._pages(f"/v1/jobs/{job_id}/checkpoints", {})]
 
-    def metrics(self, job_id: str, *, name: str | None = None) -> list[MetricPoint]:
+    def metrics(self, job_id: str, *, name: str | None = None) -> builtins.list[MetricPoint]:
         """Every metric point of the job (only `name`'s, if given), in the order they were reported (every page)."""
         params = {"name": name} if name else {}
         return [MetricPoint.model_validate(m) for m in self._pages(f"/v1/jobs/{job_id}/metrics", params)]

@@ -20,11 +20,11 @@ from service.tenancy.auth import Caller
 # The dependencies that only read what the request or the app holds are `async`: FastAPI runs a plain `def` one in
 # its threadpool, a thread hop each per request (a third of a submission's time on 2 cores went to such hops).
 async def get_runtime(request: Request) -> Runtime:
-    return request.app.state.runtime  # type: ignore[no-any-return]
+    return request.app.state.runtime
 
 
 async def get_settings_dep(request: Request) -> Settings:
-    return request.app.state.runtime.settings  # type: ignore[no-any-return]
+    return request.app.state.runtime.settings
 
 
 async def get_session(request: Request, runtime: Annotated[Runtime, Depends(get_runtime)]) -> AsyncIterator[Session]:

@@ -42,7 +42,7 @@ def install(app: FastAPI) -> None:
 class _Assets(StaticFiles):
     """The bundle's folder, less what the page does not load."""
 
-    def lookup_path(self, path: str) -> tuple[str, object]:  # type: ignore[override]
+    def lookup_path(self, path: str) -> tuple[str, object]:  # type: ignore[override]  # Starlette's own is loosely typed
         if path not in _SERVED:
             return "", None  # a 404, as for a missing file
         return super().lookup_path(path)

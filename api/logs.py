@@ -247,7 +247,9 @@ def started(chunks: Iterator[bytes]) -> Iterator[bytes]:
     return rest()
 
 
-async def ray_chunks(reader: RayLogReader, start: int, end: int, deadline: float) -> AsyncIterator[bytes]:
+async def ray_chunks(
+    reader: RayLogReader | MaskedReader, start: int, end: int, deadline: float
+) -> AsyncIterator[bytes]:
     """Bytes [start, end) of a running attempt's Ray log for a follow stream, a chunk at a time (each read in a
     thread), until `deadline`."""
     chunks = await asyncio.to_thread(reader.chunks, start, end)

@@ -111,7 +111,7 @@ def metrics(request: Request, caller: Annotated[Caller, Depends(get_caller)]) ->
     """
     registry = request.app.state.metrics_registry
     shown = registry if caller.admin else _OwnSeries(registry, caller.owner)
-    return Response(generate_latest(shown), media_type=CONTENT_TYPE_LATEST)  # type: ignore[arg-type]
+    return Response(generate_latest(shown), media_type=CONTENT_TYPE_LATEST)
 
 
 class _OwnSeries:

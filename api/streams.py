@@ -119,7 +119,7 @@ def state_of(app: FastAPI, name: str, factory: Callable[[], Any]) -> Any:
 
 
 def slots_of(app: FastAPI) -> StreamSlots:
-    return state_of(app, "stream_slots", StreamSlots)  # type: ignore[no-any-return]
+    return state_of(app, "stream_slots", StreamSlots)
 
 
 async def _released_at_end(body: AsyncIterator[str | bytes], slot: Slot) -> AsyncIterator[str | bytes]:

@@ -278,7 +278,7 @@ RATIO_REFRESH_SECONDS = 60.0  # of the service's clock: ratios move with whole j
 def run_ratios(session: Session, now: datetime, *, cached: bool = True) -> Ratios:
     """How long each owner's recently succeeded attempts ran against their timeouts (clamped to (0, 1]); read again
     after RATIO_REFRESH_SECONDS of the service's clock."""
-    key = str(session.get_bind().url)
+    key = str(session.get_bind().engine.url)
     hit = _ratios.get(key)
     if cached and hit is not None and timedelta(0) <= now - hit[0] < timedelta(seconds=RATIO_REFRESH_SECONDS):
         return hit[1]
@@ -292,7 +292,7 @@ def _read_ratios(session: Session, now: datetime) -> Ratios:
         select(Job.owner, Job.spec, Attempt.started_at, Attempt.ended_at)
         .join(Attempt, col(Attempt.job_id) == col(Job.id))
         .where(col(Attempt.ended_at) > now - timedelta(seconds=RATIO_HISTORY_SECONDS),
-               Attempt.end_reason == EndReason.SUCCEEDED, Attempt.number == 1)
+               col(Attempt.end_reason) == EndReason.SUCCEEDED, col(Attempt.number) == 1)
         .order_by(col(Attempt.ended_at).desc())
         .limit(20 * RATIO_SAMPLES)
     )  # fmt: skip
@@ -301,6 +301,8 @@ def _read_ratios(session: Session, now: datetime) -> Ratios:
         timeout = spec.get("timeout_seconds") if isinstance(spec, dict) else None
         ratios = by_owner.setdefault(owner, [])
         if not isinstance(timeout, int | float) or timeout <= 0 or len(ratios) >= RATIO_SAMPLES:
+            continue
+        if started is None or ended is None:
             continue
         ratios.append(min(max((ended - started).total_seconds() / timeout, 1e-3), 1.0))
     return Ratios({o: rs for o, rs in by_owner.items() if rs})

@@ -108,7 +108,7 @@ def uses_multinode(item: pytest.Item) -> bool:
 # cases, on the fair-share simulation alone).
 LONG_QUICK = ("tests/service/test_fairshare_sim.py", "tests/api/test_fuzz.py::test_openapi_all_checks",
               "tests/deploy/test_local_head.py",
-              "tests/service/test_layering.py::test_the_policy_package_type_checks_strictly")  # fmt: skip
+              "tests/service/test_layering.py::test_the_tree_type_checks")  # fmt: skip
 # Then the quick tier's modules whose cases add up to 10 s or more (the seconds of a run here with -n 3, 2026-12-06),
 # heaviest first, and the thousands of millisecond cases last: in collection order the tier ended on
 # tests/workers/ (hf_callback, preflight: torchrun and subprocess cases of 5-10 s each), with the other workers idle

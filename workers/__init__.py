@@ -41,7 +41,7 @@ def _whole(step: object) -> int | None:
     """`step` as an int >= 0 (numpy and torch integers too), else None (logged)."""
     try:
         if not isinstance(step, bool):
-            value = operator.index(step)  # type: ignore[arg-type]
+            value = operator.index(step)  # type: ignore[arg-type]  # any object: a TypeError is the answer
             if value >= 0:
                 return value
     except TypeError:

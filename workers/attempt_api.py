@@ -30,7 +30,7 @@ def _without_httpx_cli() -> None:
     def main(*args: object, **kwargs: object) -> None:
         raise RuntimeError("httpx's command-line tool is not loaded in a shunter job process")
 
-    stub.main = main  # type: ignore[attr-defined]
+    stub.main = main  # type: ignore[attr-defined]  # a module made here, its attribute set here
     sys.modules["httpx._main"] = stub
 
 

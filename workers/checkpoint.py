@@ -225,7 +225,7 @@ def _load_dir(prepared: Prepared, directory: Path, *, uri: str | None = None, re
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_state, optim_state = get_state_dict(prepared.model, prepared.optimizer)
-        target = {"model": model_state, "optim": optim_state}
+        target: dict[str, Any] = {"model": model_state, "optim": optim_state}
         dcp.load(target, checkpoint_id=str(directory / DCP_DIR))
         set_state_dict(
             prepared.model, prepared.optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"]
@@ -348,7 +348,9 @@ def full_state_dict(prepared: Prepared) -> dict[str, torch.Tensor] | None:
     if kind is StrategyKind.fsdp:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = get_model_state_dict(prepared.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state: dict[str, Any] | None = get_model_state_dict(
+            prepared.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         return state if rank == 0 else None
     if kind is StrategyKind.deepspeed and prepared.engine.zero_optimization_stage() == 3:
         import deepspeed

@@ -40,11 +40,14 @@ class InControllerPreemptionCallback(PreemptionCallback):
         node_to_ranks: dict[str, list[int]] = {}
         worker_actors_by_rank: dict[int, Any] = {}
         for worker in worker_group.get_workers():
-            rank = worker.distributed_context.world_rank
+            context = worker.distributed_context
+            assert context is not None, "a started worker group's workers have their ranks"
+            rank = context.world_rank
             node_to_ranks.setdefault(worker.metadata.node_id, []).append(rank)
             worker_actors_by_rank[rank] = worker.actor
-        self._watcher = PreemptionWatcher(node_to_ranks=node_to_ranks, poll_interval_s=self._poll_interval_s,
-                                          worker_actors_by_rank=worker_actors_by_rank)  # fmt: skip
+        self._watcher = PreemptionWatcher(  # type: ignore[assignment]  # an object here, where Ray keeps an actor
+            node_to_ranks=node_to_ranks, poll_interval_s=self._poll_interval_s,
+            worker_actors_by_rank=worker_actors_by_rank)  # fmt: skip
 
     def _stop_watcher(self) -> None:
         watcher, self._watcher = self._watcher, None

@@ -129,7 +129,9 @@ def raylet_answers(node: dict, timeout: float = 1.0) -> bool:
 
 def build_trainer(spec, *, job_id: str, attempt: int, storage: str, api: AttemptApi | None):  # noqa: ANN001, ANN201
     """The TorchTrainer for this attempt (imports torch and Ray Train: worker side only)."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    # Train V2's: what ray.train names when V2 is on, as it is for every attempt (service.tenancy.modes)
+    from ray.train import UserCallback
+    from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
     from workers.lean_trainer import trainer_class
     from workers.progress import ProgressCallback
@@ -147,7 +149,7 @@ def build_trainer(spec, *, job_id: str, attempt: int, storage: str, api: Attempt
         label_selector=excluded_nodes_selector(os.environ.get(EXCLUDED_NODES_ENV, "")),
     )
     expected = strategy_to_check(spec)
-    callbacks = (
+    callbacks: list[UserCallback] = (
         [ProgressCallback(api=api, keep=spec.checkpoint.keep, strategy=expected.value if expected else None)]
         if api is not None
         else []

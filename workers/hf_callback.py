@@ -78,6 +78,8 @@ class ShunterCallback(TrainerCallback):
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.markers is None:
             return
+        if not args.output_dir:  # Trainer saves nowhere then
+            return
         checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")  # Trainer._save_checkpoint's
         try:
             self.markers.checkpoint_saved(checkpoint, local_rank=int(os.environ.get("LOCAL_RANK") or 0))

@@ -73,13 +73,13 @@ def trainer_class() -> type:
     if lean_config:
         from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer as Base
     else:  # a Ray that moved what LeanTorchConfig calls: Ray's own TorchTrainer and TorchConfig
-        from ray.train.torch import TorchTrainer as Base
+        from ray.train.torch import TorchTrainer as Base  # type: ignore[assignment]  # the other of the two bases
 
-    class LeanTorchTrainer(Base):  # type: ignore[misc, valid-type]
+    class LeanTorchTrainer(Base):
         def __init__(self, *args: Any, torch_config: Any = None, scaling_config: Any = None, **kwargs: Any) -> None:
-            config = torch_config or type(default)()
+            config: Any = torch_config or type(default)()  # LeanTorchConfig or Ray's TorchConfig
             if not lean_config:
-                super().__init__(*args, torch_config=config, scaling_config=scaling_config, **kwargs)
+                super().__init__(*args, torch_config=config, scaling_config=scaling_config, **kwargs)  # type: ignore[call-arg]  # TorchTrainer's
                 return
             if not config.backend:  # as TorchTrainer chooses
                 config.backend = "nccl" if scaling_config is not None and scaling_config.use_gpu else "gloo"

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pyarrow import fs as pafs
 
@@ -320,7 +321,7 @@ class OutputSync:
             ]
             if not any(self.store.current(_read_json(self.store.fs, path)) for path in others):
                 continue
-            part = {"node": self.node_rank, "nodes": self.nodes, "attempt": self.attempt, "files": {}}
+            part: dict[str, Any] = {"node": self.node_rank, "nodes": self.nodes, "attempt": self.attempt, "files": {}}
             self.store.put(self.store.part_path(state.name, state.dirname, self.node_rank), json.dumps(part).encode())
             state.part = True
             self._dirs[key] = state

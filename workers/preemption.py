@@ -42,7 +42,7 @@ def _marker_exists() -> bool:
             with open(path, "rb") as marker:
                 body = marker.read(4096)
         else:
-            with fs.open_input_stream(path) as marker:  # type: ignore[attr-defined]
+            with fs.open_input_stream(path) as marker:  # type: ignore[attr-defined]  # a pyarrow FileSystem, typed loosely here
                 body = marker.read(4096)
     except FileNotFoundError:
         return False

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 from ray.train import Checkpoint, UserCallback
 
@@ -58,7 +58,7 @@ class ProgressCallback(UserCallback):
             complete, sealed = checkpoint_seal(checkpoint) if checkpoint is not None else (True, None)
             step = rank0.get("step")
             numeric = isinstance(step, int | float) and not isinstance(step, bool) and math.isfinite(step)
-            step = int(step) if numeric else self._reports
+            step = int(step) if numeric and step is not None else self._reports
             body = self.api.report_body(rank0, step=step, checkpoint_uri=uri, checkpoint_complete=complete,
                                         keep=self._keep(), manifest_sha256=sealed)  # fmt: skip
         except Exception:  # noqa: BLE001 - see module docstring
@@ -251,14 +251,15 @@ def report_restored() -> None:
         writer = sealed.get("attempt")
         api.restored(
             checkpoint_uri_of(checkpoint), complete=verdict.complete,
-            step=int(step) if _whole(step) else None, written_by=writer if _whole(writer) and writer >= 1 else None,
+            step=int(step) if _whole(step) else None,
+            written_by=int(writer) if _whole(writer) and writer >= 1 else None,
             patience=RESTORE_PATIENCE_SECONDS,
         )  # fmt: skip
     except Exception:  # noqa: BLE001 - see the docstring
         log.exception("shunter: could not report the checkpoint this attempt resumed from")
 
 
-def _whole(value: Any) -> bool:
+def _whole(value: Any) -> TypeGuard[float]:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0 \
         and int(value) == value  # fmt: skip
 
@@ -274,6 +275,8 @@ def ray_record_of(checkpoint: Checkpoint) -> dict[str, Any]:
 
     try:
         fs = checkpoint.filesystem
+        if fs is None:
+            return {}
         with fs.open_input_stream(posixpath.join(posixpath.dirname(checkpoint.path), RAY_SNAPSHOT)) as stream:
             record = json.loads(stream.read())
         name = posixpath.basename(checkpoint.path.rstrip("/"))

@@ -51,7 +51,7 @@ class _TorchContext:
 class LeanTorchBackend(Backend):
     share_cuda_visible_devices: bool = True  # as Ray's: the ranks of one node see each other's GPUs (NCCL)
 
-    def on_start(self, worker_group: Any, backend_config: LeanTorchConfig) -> None:
+    def on_start(self, worker_group: Any, backend_config: LeanTorchConfig) -> None:  # type: ignore[override]  # Ray passes each backend its own config
         import ray
         from ray.train._internal.utils import update_env_vars
 
@@ -69,7 +69,7 @@ class LeanTorchBackend(Backend):
             for i in range(size)
         ])  # fmt: skip
 
-    def on_shutdown(self, worker_group: Any, backend_config: LeanTorchConfig) -> None:
+    def on_shutdown(self, worker_group: Any, backend_config: LeanTorchConfig) -> None:  # type: ignore[override]  # as on_start
         import ray
         from ray._private import ray_constants
         from ray.exceptions import GetTimeoutError

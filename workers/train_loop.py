@@ -86,7 +86,7 @@ def run_loop(
     from workers.progress import announce_finished, announce_started, report_restored
 
     checked = preflight is not None and preflight.get("enabled", True)
-    if checked:
+    if checked and preflight is not None:
         from workers import preflight as check
 
         check.run(preflight)  # raises PreflightFailed, naming the rank and node at fault
@@ -110,7 +110,7 @@ def _takes_config(loop: Callable[..., Any]) -> bool:
     return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in parameters)
 
 
-def _user_loop(spec: JobSpec) -> tuple[Callable[..., Any], dict[str, Any]]:
+def _user_loop(spec: JobSpec) -> tuple[Callable[..., Any] | UserCallable, dict[str, Any]]:
     entry = spec.entrypoint
     if entry.callable:
         module_name = entry.callable.partition(":")[0]

@@ -72,7 +72,7 @@ def bootstrap(
             .where(col(Attempt.job_id) == job_id, col(Attempt.number) == attempt, col(Attempt.ended_at).is_(None))
             .where(col(Attempt.bootstrap_nonce).is_(None) | (col(Attempt.bootstrap_nonce) == nonce))
             .values(bootstrap_nonce=nonce)
-        ).rowcount  # type: ignore[attr-defined]
+        ).rowcount  # type: ignore[attr-defined]  # an UPDATE's result is a CursorResult; Session.execute says Result
     if not taken:
         raise Forbidden(f"the bootstrap credential of attempt {attempt} of job {job_id} was used already")
     response.headers.update(NO_STORE)

@@ -175,7 +175,7 @@ def _final_log_awaited(engine: Engine, job_id: str, row: Attempt) -> Attempt:
 
 
 def ray_logs_of(app: FastAPI) -> RayLogs:
-    return state_of(app, "ray_logs", RayLogs)  # type: ignore[no-any-return]
+    return state_of(app, "ray_logs", RayLogs)
 
 
 def _attempt_state(engine: Engine, job_id: str, number: int | None) -> tuple[Job | None, Attempt | None]:

@@ -22,7 +22,7 @@ SweepId = Annotated[str, Path(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9
 def _metric(sweep: Sweep) -> SweepMetric | None:
     if sweep.metric_name is None:
         return None
-    return SweepMetric(name=sweep.metric_name, mode=sweep.metric_mode or "min")  # type: ignore[arg-type]
+    return SweepMetric(name=sweep.metric_name, mode=sweep.metric_mode or "min")
 
 
 def _summary(sweep: Sweep, counts: dict[str, int]) -> SweepSummary:

@@ -47,7 +47,7 @@ router = APIRouter(include_in_schema=False)
 class UiStatic(StaticFiles):
     """The page's scripts, styles and vendored files, with the same headers as the pages."""
 
-    async def get_response(self, path: str, scope: Scope):  # type: ignore[no-untyped-def]
+    async def get_response(self, path: str, scope: Scope):
         response = await super().get_response(path, scope)
         response.headers.update(HEADERS)
         return response

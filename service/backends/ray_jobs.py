@@ -240,7 +240,7 @@ class RayJobs:
         ray_autoscaler.request_resources(self._gcs, self.gcs_address, bundles)
 
     def _cluster_from_gcs(self) -> ClusterView:
-        from ray._raylet import GcsClient
+        from ray._raylet import GcsClient  # type: ignore[attr-defined]  # Ray's _raylet.pyi leaves it out
         from ray.core.generated.gcs_pb2 import GcsNodeInfo
 
         now = time.monotonic()
@@ -288,7 +288,7 @@ class RayJobs:
         if not self.gcs_address:
             return []
         from ray._private.gcs_utils import create_gcs_channel
-        from ray._raylet import GcsClient
+        from ray._raylet import GcsClient  # type: ignore[attr-defined]  # Ray's _raylet.pyi leaves it out
         from ray.core.generated import gcs_pb2
         from ray.core.generated import gcs_service_pb2 as pb
         from ray.core.generated import gcs_service_pb2_grpc as rpc

@@ -198,7 +198,8 @@ class SimJobs:
             for run in (self._runs[s] for s in sorted(self._running)):
                 step = None
                 if run.steps:
-                    step = min(run.steps, int(run.steps * (now - run.placed) / max(run.seconds, 1e-9)))
+                    placed = now if run.placed is None else run.placed  # a running run is placed
+                    step = min(run.steps, int(run.steps * (now - placed) / max(run.seconds, 1e-9)))
                 fresh = step is not None and step != run.reported_step and now - run.reported_at >= self.report_every
                 if not run.reported_started or fresh:
                     due.append((run, not run.reported_started, step if fresh else None))

@@ -254,7 +254,7 @@ class Settings(BaseSettings):
     def _json_mappings(cls, value: Any, info: ValidationInfo) -> Any:
         """These settings are JSON objects in the environment; an empty value means none."""
         if isinstance(value, str):
-            empty = None if info.field_name == "api_tokens" else {}
+            empty: dict[str, Any] | None = None if info.field_name == "api_tokens" else {}
             return json.loads(value) if value.strip() else empty
         return value
 

@@ -55,7 +55,10 @@ class Masker:
         if not self.values:
             yield from chunks
             return
-        held, covered = b"", []  # covered: spans of `held` found while its bytes were in an earlier buffer
+        held, covered = (
+            b"",
+            list[tuple[int, int]](),
+        )  # covered: spans of `held` found while its bytes were in an earlier buffer
         for chunk in chunks:
             data = held + chunk
             spans = _merged(covered + self.spans(data))

@@ -272,14 +272,14 @@ def _write_starts(
     if not starts:
         return []
     transition_many(session, [m for m, _ in starts], actor=owner, now=now, locked=True)
-    table = Attempt.__table__  # type: ignore[attr-defined]
+    table = Attempt.__table__  # type: ignore[attr-defined]  # SQLModel sets __table__ when it makes the class
     rows = [row for _, row in starts]
     session.execute(insert(table), rows)  # one executemany (SQLite would run an INSERT … RETURNING row by row)
     if attempts is not None:
         subs = [row["submission_id"] for row in rows]
         ids = dict(
             session.execute(select(Attempt.submission_id, Attempt.id).where(col(Attempt.submission_id).in_(subs))).all()
-        )  # type: ignore[arg-type]
+        )
         for row in rows:
             attempts[row["job_id"]] = Attempt(id=ids[row["submission_id"]], **row)
     return [m.job for m, _ in starts]

@@ -87,11 +87,11 @@ class Finishing:
 
     # ---- submissions ----------------------------------------------------------------------------------------------
     def _mark_submitted(self, job: Job, attempt: Attempt, *, adopted: bool) -> None:
-        table = Attempt.__table__  # type: ignore[attr-defined]
+        table = Attempt.__table__  # type: ignore[attr-defined]  # SQLModel sets __table__ when it makes the class
         with session_scope(self.engine) as session:
             changed = session.execute(
                 update(table).where(table.c.id == attempt.id, table.c.submitted.is_(False)).values(submitted=True)
-            ).rowcount  # type: ignore[attr-defined]
+            ).rowcount  # type: ignore[attr-defined]  # an UPDATE's result is a CursorResult; Session.execute says Result
             if changed == 1:
                 record_events(session, [submitted_event(attempt, adopted=adopted, actor=self.owner)])
         attempt.submitted = True
@@ -100,7 +100,7 @@ class Finishing:
         """Record many submissions Ray accepted (job, attempt, adopted) in one transaction: one UPDATE, one INSERT."""
         if not accepted:
             return
-        table = Attempt.__table__  # type: ignore[attr-defined]
+        table = Attempt.__table__  # type: ignore[attr-defined]  # SQLModel sets __table__ when it makes the class
         try:
             with session_scope(self.engine) as session:
                 ids = [a.id for _, a, _ in accepted]
@@ -151,7 +151,7 @@ class Finishing:
         """One end in its own transaction (raises StaleWrite if the job moved on)."""
         job, reason, decision, message, now = e.job, e.action.reason, e.decision, e.message, e.now
         with session_scope(self.engine) as session:
-            session.execute(_attempt_end(Attempt.__table__), [self._attempt_row(e)])  # type: ignore[attr-defined]
+            session.execute(_attempt_end(Attempt.__table__), [self._attempt_row(e)])  # type: ignore[attr-defined]  # SQLModel sets __table__ when it makes the class
             if decision.retry:
                 resumes = reports.steps_lost(session, job.id)
                 if reason is EndReason.NODE_DRAINING:
@@ -204,7 +204,7 @@ class Finishing:
                     lost = {id(m.job) for m in transition_many(session, moves, actor=self.owner, now=ended[0].now)}
                     won = [e for e in ended if id(e.job) not in lost]
                     if won:
-                        session.execute(_attempt_end(Attempt.__table__), [self._attempt_row(e) for e in won])  # type: ignore[attr-defined]
+                        session.execute(_attempt_end(Attempt.__table__), [self._attempt_row(e) for e in won])  # type: ignore[attr-defined]  # SQLModel sets __table__ when it makes the class
             except Exception as exc:  # noqa: BLE001 - one bad end must not keep the others unwritten
                 log.warning("writing %d ends at once failed (%s): one by one", len(ended), exc)
                 one_by_one += ended

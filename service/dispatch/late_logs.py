@@ -109,7 +109,7 @@ class LateLogs:
             if log_uri is not None:
                 values["log_uri"] = log_uri
             unmarked = (col(Attempt.id) == item.attempt_id, col(Attempt.ray_status).is_(None))
-            marked = session.execute(update(Attempt).where(*unmarked).values(**values)).rowcount == 1  # type: ignore[attr-defined]
+            marked = session.execute(update(Attempt).where(*unmarked).values(**values)).rowcount == 1  # type: ignore[attr-defined]  # an UPDATE's result is a CursorResult; Session.execute says Result
             if marked and info is not None and info.status == "FAILED" and not item.stop_sent:
                 ended = session.get(Attempt, item.attempt_id)
                 if ended is not None and ended.end_reason is EndReason.SUCCEEDED:

@@ -75,7 +75,7 @@ class Scaling:
                 changed = self.sent is None or self.sent.key() != wanted.key()
             if changed:
                 try:
-                    self.ray.request_resources(wanted.bundles)  # type: ignore[attr-defined]
+                    self.ray.request_resources(wanted.bundles)  # type: ignore[attr-defined]  # the Ray backend's; scaling runs only with it
                 except InfraError as exc:
                     log.warning("cannot ask Ray's autoscaler for room: %s", exc.detail)
                     new = []  # asked for again after the next pass

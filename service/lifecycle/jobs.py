@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from datetime import datetime
+from typing import TypeGuard
 
 from sqlalchemy import func, insert, literal
 from sqlalchemy import select as sa_select
@@ -63,7 +64,7 @@ def cluster_shape(session: Session) -> ClusterSnapshot | None:
     return _shapes.get(session)
 
 
-def _seen(snapshot: ClusterSnapshot | None) -> bool:
+def _seen(snapshot: ClusterSnapshot | None) -> TypeGuard[ClusterSnapshot]:
     return snapshot is not None and any(n.get("alive", True) and n.get("total") for n in snapshot.nodes)
 
 
@@ -74,10 +75,8 @@ def check_fits_cluster(spec: JobSpec, snapshot: ClusterSnapshot | None) -> None:
         return
     res = spec.resources
     if res.use_gpu and snapshot.total.get("GPU", 0.0) <= 0:
-        raise InvalidSpec(
-            "resources.use_gpu: the Ray cluster has no GPUs; set use_gpu: false to train on CPU",
-            field="resources.use_gpu",
-        )
+        raise InvalidSpec("resources.use_gpu: the Ray cluster has no GPUs; set use_gpu: false to train on CPU",
+                          field="resources.use_gpu")  # fmt: skip
     per_worker = res.per_worker()
     nodes = [n for n in snapshot.nodes if n.get("alive", True) and n.get("total")]
     if not any(resources.fits(n["total"], per_worker) for n in nodes):
@@ -134,7 +133,7 @@ def submit(
     """
     auth.check_submit(caller, queue=spec.queue, priority=spec.priority)
     too_deep = spec.nesting_problem(settings.max_spec_depth) if settings is not None else None
-    if too_deep:
+    if too_deep and settings is not None:
         field, where = too_deep
         message = f"nested deeper than {settings.max_spec_depth} levels, this service's max_spec_depth (at {where})"
         raise InvalidSpec(f"{field}: {message}", field=field)
@@ -221,7 +220,7 @@ def _insert_with_event(session: Session, job: Job, *, alone: bool = False) -> No
     event is the one `record_event` adds. `alone`: it is all the submission writes, and nothing was read in a
     transaction before it, so it runs as a transaction of its own (autocommit): one round trip in all, instead of
     BEGIN, the statement and COMMIT; the signals are still heard in this process when the session commits."""
-    jobs_t, events_t = Job.__table__, JobEvent.__table__  # type: ignore[attr-defined]
+    jobs_t, events_t = Job.__table__, JobEvent.__table__  # type: ignore[attr-defined]  # SQLModel sets __table__ when it makes the class
     new_job = insert(jobs_t).values({c.name: getattr(job, c.key) for c in jobs_t.columns}).returning(jobs_t.c.id)
     job_cte = new_job.cte("new_job")
     event = {"kind": EventKind.STATE.value, "from_state": None, "to_state": JobState.QUEUED, "reason": "submitted",

@@ -40,8 +40,8 @@ def lock_admission(session: Session) -> None:
 def ready(now: datetime) -> tuple[ColumnElement[bool], ...]:
     """What makes a job ready to admit: queued, past any retry backoff, waiting on no dependency."""
     return (
-        Job.state == JobState.QUEUED,
-        Job.waiting_on == 0,
+        col(Job.state) == JobState.QUEUED,
+        col(Job.waiting_on) == 0,
         or_(col(Job.not_before).is_(None), col(Job.not_before) <= now),
     )
 
@@ -110,7 +110,7 @@ def _queued_owners(session: Session) -> list[str]:
 def set_reason(session: Session, job_id: str, reason: str) -> None:
     """Why a queued job waits (not a state change: no event)."""
     session.execute(
-        update(Job).where(Job.id == job_id, Job.state == JobState.QUEUED).values(state_reason=reason[:1000])
+        update(Job).where(col(Job.id) == job_id, col(Job.state) == JobState.QUEUED).values(state_reason=reason[:1000])
     )
 
 
@@ -118,17 +118,17 @@ def heartbeat(session: Session, *, owner: str, now: datetime, seconds: float) ->
     """Extend every lease this dispatcher holds on an active job."""
     result = session.execute(
         update(Job)
-        .where(Job.lease_owner == owner, col(Job.state).in_(ACTIVE_STATES))
+        .where(col(Job.lease_owner) == owner, col(Job.state).in_(ACTIVE_STATES))
         .values(lease_expires_at=now + timedelta(seconds=seconds))
     )
-    return int(result.rowcount)  # type: ignore[attr-defined]
+    return int(result.rowcount)  # type: ignore[attr-defined]  # an UPDATE's result is a CursorResult; Session.execute says Result
 
 
 def take_over(session: Session, *, owner: str, now: datetime, seconds: float, include_own: bool) -> list[Job]:
     """Claim active jobs whose lease expired (their dispatcher died), and on start-up those leased to our own id."""
     expired = or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now)
     if include_own:
-        expired = or_(expired, Job.lease_owner == owner)
+        expired = or_(expired, col(Job.lease_owner) == owner)
     candidates = session.exec(
         select(Job).where(col(Job.state).in_(ACTIVE_STATES)).where(expired).with_for_update(skip_locked=True)
     ).all()
@@ -138,11 +138,13 @@ def take_over(session: Session, *, owner: str, now: datetime, seconds: float, in
         previous = job.lease_owner  # the UPDATE below syncs the new owner into `job`
         result = session.execute(
             update(Job)
-            .where(Job.id == job.id, Job.state == job.state)
-            .where(col(Job.lease_token).is_(None) if job.lease_token is None else Job.lease_token == job.lease_token)
+            .where(col(Job.id) == job.id, col(Job.state) == job.state)
+            .where(
+                col(Job.lease_token).is_(None) if job.lease_token is None else col(Job.lease_token) == job.lease_token
+            )
             .values(**values)
         )
-        if result.rowcount == 1:  # type: ignore[attr-defined]
+        if result.rowcount == 1:  # type: ignore[attr-defined]  # an UPDATE's result is a CursorResult; Session.execute says Result
             record_event(
                 session, job.id, kind=EventKind.LEASE, reason="adopted", attempt=job.attempt, actor=owner, at=now,
                 message=f"lease taken over from {previous or 'nobody'}",
@@ -159,7 +161,7 @@ def owned(session: Session, *, owner: str) -> list[Job]:
 
 def owned_with_attempts(session: Session, *, owner: str) -> list[tuple[Job, Attempt | None]]:
     """`owned`, each job with its current attempt's row (None when it has none), in one read."""
-    current = and_(Attempt.job_id == Job.id, Attempt.number == Job.attempt)
-    query = select(Job, Attempt).outerjoin(Attempt, current)  # type: ignore[arg-type]
+    current = and_(col(Attempt.job_id) == col(Job.id), col(Attempt.number) == col(Job.attempt))
+    query = select(Job, Attempt).outerjoin(Attempt, current)
     rows = session.exec(query.where(Job.lease_owner == owner, col(Job.state).in_(ACTIVE_STATES))).all()
     return [(job, attempt) for job, attempt in rows]

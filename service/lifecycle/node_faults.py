@@ -59,4 +59,4 @@ def clear(session: Session, node_id: str, *, actor: str, now: datetime | None = 
         .where(col(NodeFault.node_id) == node_id, col(NodeFault.cleared_at).is_(None))
         .values(cleared_at=now or utcnow(), cleared_by=actor[:128])
     )
-    return int(result.rowcount or 0)  # type: ignore[attr-defined]
+    return int(result.rowcount or 0)  # type: ignore[attr-defined]  # an UPDATE's result is a CursorResult; Session.execute says Result

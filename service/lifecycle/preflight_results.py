@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from service.lifecycle.state import record_event
 from service.store.db import begin_write
@@ -110,7 +110,7 @@ def record(session: Session, *, job_id: str, attempt: int, report: PreflightRepo
     a warning for a slow rank on CPU. False when fenced off (not the job's current, active attempt) or already kept."""
     begin_write(session)
     current = session.exec(
-        select(Job.id).where(Job.id == job_id, Job.attempt == attempt, Job.state.in_(ACTIVE_STATES))  # type: ignore[attr-defined]
+        select(col(Job.id)).where(col(Job.id) == job_id, col(Job.attempt) == attempt, col(Job.state).in_(ACTIVE_STATES))
     ).first()
     row = session.exec(select(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt)).first()
     if current is None or row is None or row.preflight is not None:

@@ -40,14 +40,14 @@ def _take_rows(session: Session, *, job_id: str, attempt: int, rows: int, max_ro
     write it) has nothing to count against."""
     if max_rows is None or rows == 0:
         return True
-    this = (Attempt.job_id == job_id, Attempt.number == attempt)
+    this = (col(Attempt.job_id) == job_id, col(Attempt.number) == attempt)
     taken = session.execute(
-        update(Attempt).where(*this, col(Attempt.rows_written) + rows <= max_rows)  # type: ignore[arg-type]
+        update(Attempt).where(*this, col(Attempt.rows_written) + rows <= max_rows)
         .values(rows_written=col(Attempt.rows_written) + rows)
     )  # fmt: skip
-    if taken.rowcount:  # type: ignore[attr-defined]
+    if taken.rowcount:  # type: ignore[attr-defined]  # an UPDATE's result is a CursorResult; Session.execute says Result
         return True
-    return session.exec(select(Attempt.id).where(*this)).first() is None  # type: ignore[arg-type]
+    return session.exec(select(Attempt.id).where(*this)).first() is None
 
 
 def record_limited(engine: Engine, *, job_id: str, attempt: int, reason: str, message: str) -> bool:
@@ -57,7 +57,7 @@ def record_limited(engine: Engine, *, job_id: str, attempt: int, reason: str, me
         begin_write(session)
         current = session.exec(
             select(Job.id).where(Job.id == job_id, Job.attempt == attempt,
-                                 Job.state.in_(ACTIVE_STATES))  # type: ignore[attr-defined]
+                                 col(Job.state).in_(ACTIVE_STATES))
         ).first()  # fmt: skip
         said = session.exec(
             select(JobEvent.id).where(JobEvent.job_id == job_id, JobEvent.reason == reason,
@@ -116,7 +116,7 @@ def _insert_points(
     else:
         rows = [{"job_id": job_id, "attempt": attempt, "step": step, "name": n, "value": v, "at": at}
                 for n, v in points.items()]  # fmt: skip
-        session.connection().execute(insert(Metric.__table__), rows)  # type: ignore[arg-type]
+        session.connection().execute(insert(Metric.__table__), rows)  # type: ignore[attr-defined]  # SQLModel sets __table__ at class creation
 
 
 def record_report(
@@ -153,7 +153,7 @@ def record_report(
     now = utcnow()
     with Session(engine) as session:
         begin_write(session)
-        current = (Job.id == job_id, Job.attempt == attempt, Job.state.in_(ACTIVE_STATES))  # type: ignore[attr-defined]
+        current = (col(Job.id) == job_id, col(Job.attempt) == attempt, col(Job.state).in_(ACTIVE_STATES))
         shown = numeric
         if progress and "loss" not in numeric:
             # The job's shown loss is the last one reported: a report without one (an HF Trainer's end-of-training
@@ -176,7 +176,7 @@ def record_report(
             if ahead:
                 return True
         if values:
-            fenced = session.execute(update(Job).where(*current).values(**values)).rowcount != 1  # type: ignore[attr-defined]
+            fenced = session.execute(update(Job).where(*current).values(**values)).rowcount != 1  # type: ignore[attr-defined]  # an UPDATE's result is a CursorResult; Session.execute says Result
         else:
             fenced = session.exec(select(Job.id).where(*current)).first() is None
         if fenced:
@@ -224,14 +224,14 @@ def record_started(engine: Engine, *, job_id: str, attempt: int) -> bool:
         begin_write(session)
         result = session.execute(
             update(Job)
-            .where(Job.id == job_id, Job.attempt == attempt, Job.state.in_(ACTIVE_STATES),  # type: ignore[attr-defined]
-                   Job.step.is_(None))  # type: ignore[union-attr]
+            .where(col(Job.id) == job_id, col(Job.attempt) == attempt, col(Job.state).in_(ACTIVE_STATES),
+                   col(Job.step).is_(None))
             .values(step=0, progress_at=utcnow())
         )  # fmt: skip
-        if result.rowcount == 1:  # type: ignore[attr-defined]
+        if result.rowcount == 1:  # type: ignore[attr-defined]  # an UPDATE's result is a CursorResult; Session.execute says Result
             signals.publish(session, signals.ADMISSION, job_id)  # its dispatcher marks it RUNNING now
         session.commit()
-        return bool(result.rowcount == 1)  # type: ignore[attr-defined]
+        return bool(result.rowcount == 1)  # type: ignore[attr-defined]  # an UPDATE's result is a CursorResult; Session.execute says Result
 
 
 def record_restore(
@@ -257,7 +257,7 @@ def record_restore(
         begin_write(session)
         job = session.exec(
             select(Job)
-            .where(Job.id == job_id, Job.attempt == attempt, Job.state.in_(ACTIVE_STATES))  # type: ignore[attr-defined]
+            .where(col(Job.id) == job_id, col(Job.attempt) == attempt, col(Job.state).in_(ACTIVE_STATES))
             .with_for_update()
         ).first()
         if job is None:
@@ -292,7 +292,7 @@ def _mark_pruned(session: Session, *, job_id: str, keep: int) -> None:
     live = session.exec(
         select(Checkpoint)
         .where(Checkpoint.job_id == job_id, Checkpoint.complete, Checkpoint.pruned == False)  # noqa: E712
-        .order_by(Checkpoint.id.desc())  # type: ignore[union-attr]
+        .order_by(col(Checkpoint.id).desc())
     ).all()
     for row in live[keep:]:
         row.pruned = True
@@ -310,7 +310,7 @@ def record_warning(
         begin_write(session)
         job = session.exec(
             select(Job)
-            .where(Job.id == job_id, Job.attempt == attempt, Job.state.in_(ACTIVE_STATES))  # type: ignore[attr-defined]
+            .where(col(Job.id) == job_id, col(Job.attempt) == attempt, col(Job.state).in_(ACTIVE_STATES))
             .with_for_update()
         ).first()
         if job is None:

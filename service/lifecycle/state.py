@@ -56,11 +56,11 @@ def transition(
     frm = JobState(job.state)
     now = now or utcnow()
     changes = _changes(job, frm, to, reason=reason, message=message, values=values, now=now)
-    stmt = update(Job).where(Job.id == job.id, Job.state == frm)  # type: ignore[arg-type]
+    stmt = update(Job).where(col(Job.id) == job.id, col(Job.state) == frm)
     if lease_token is not None:
-        stmt = stmt.where(Job.lease_token == lease_token)  # type: ignore[arg-type]
+        stmt = stmt.where(col(Job.lease_token) == lease_token)
     result = session.execute(stmt.values(**changes).execution_options(synchronize_session=False))
-    if result.rowcount != 1:  # type: ignore[attr-defined]
+    if result.rowcount != 1:  # type: ignore[attr-defined]  # an UPDATE's result is a CursorResult; Session.execute says Result
         raise StaleWrite(f"job {job.id} is no longer {frm.value} (or its lease moved on)")
     record_event(
         session, job.id, kind=EventKind.STATE, reason=reason, message=message, actor=actor, at=now,
@@ -127,7 +127,7 @@ def transition_many(
             .with_for_update()
         ).all()  # fmt: skip
         current = {r[0]: (JobState(r[1]), r[2]) for r in rows}
-        kept = []
+        kept: list[Move] = []
         for m in moves:
             state, token = current.get(m.job.id, (None, None))
             fenced = m.lease_token is not None and token != m.lease_token
@@ -138,17 +138,17 @@ def transition_many(
                for m, frm in planned]  # fmt: skip
     groups: dict[tuple[tuple[str, ...], bool], list[dict[str, Any]]] = {}
     for (m, frm), change in zip(planned, changes, strict=True):
-        params = {"p_id": m.job.id, "p_frm": frm, "p_token": m.lease_token, **{f"v_{k}": v for k, v in change.items()}}
-        groups.setdefault((tuple(sorted(change)), m.lease_token is not None), []).append(params)
+        one = {"p_id": m.job.id, "p_frm": frm, "p_token": m.lease_token, **{f"v_{k}": v for k, v in change.items()}}
+        groups.setdefault((tuple(sorted(change)), m.lease_token is not None), []).append(one)
     session.flush()  # rows added before (a job's other events) go in first: each timeline stays in call order
-    table = Job.__table__  # type: ignore[attr-defined]
+    table = Job.__table__  # type: ignore[attr-defined]  # SQLModel sets __table__ when it makes the class
     for (keys, fenced), params in groups.items():
         stmt = update(table).where(table.c.id == bindparam("p_id"), table.c.state == bindparam("p_frm"))
         if fenced:
             stmt = stmt.where(table.c.lease_token == bindparam("p_token"))
         result = session.execute(stmt.values({k: bindparam(f"v_{k}") for k in keys}), params)
-        if result.rowcount != len(params):  # type: ignore[attr-defined]
-            raise StaleWrite(f"{len(params) - result.rowcount} of {len(params)} jobs moved on under a locked batch")  # type: ignore[attr-defined]
+        if result.rowcount != len(params):  # type: ignore[attr-defined]  # an UPDATE's result is a CursorResult; Session.execute says Result
+            raise StaleWrite(f"{len(params) - result.rowcount} of {len(params)} jobs moved on under a locked batch")  # type: ignore[attr-defined]  # an UPDATE's result is a CursorResult; Session.execute says Result
     record_events(session, [
         {"job_id": m.job.id, "kind": EventKind.STATE, "from_state": frm, "to_state": m.to, "reason": m.reason,
          "message": m.message, "actor": actor, "at": now, "attempt": change.get("attempt", m.job.attempt)}
@@ -160,10 +160,16 @@ def transition_many(
         notifications.enqueue(session, m.job, from_state=frm, to_state=m.to, reason=m.reason, message=m.message, at=now)
     ended = [m.job for m, _ in planned if m.to.is_terminal]
     if ended:  # one read for the whole batch: only jobs something still waits on have dependents to settle
-        waited_on = set(session.execute(
-            select(col(JobDependency.depends_on)).where(col(JobDependency.depends_on).in_([j.id for j in ended]),
-                                                   col(JobDependency.outcome).is_(None))
-        ).scalars().all())  # fmt: skip  (ids: SQLAlchemy's select through `exec` reads rows, which no id is in)
+        # Ids: SQLAlchemy's select through `Session.exec` reads rows, which no id is ever `in`.
+        waited_on = set(
+            session.execute(
+                select(col(JobDependency.depends_on)).where(
+                    col(JobDependency.depends_on).in_([j.id for j in ended]), col(JobDependency.outcome).is_(None)
+                )
+            )
+            .scalars()
+            .all()
+        )
         for job in ended:
             if job.id in waited_on:
                 dependencies.settle(session, job, now=now, actor=actor, transition=transition,
@@ -204,7 +210,7 @@ def record_events(session: Session, events: list[dict[str, Any]]) -> None:
     rows = [{"from_state": None, "to_state": None, "message": None, "actor": None, "attempt": None, **e,
              "kind": EventKind(e["kind"]).value, "reason": e["reason"][:64], "at": e.get("at") or utcnow()}
             for e in events]  # fmt: skip
-    session.execute(insert(JobEvent.__table__), rows)  # type: ignore[attr-defined]
+    session.execute(insert(JobEvent.__table__), rows)  # type: ignore[attr-defined]  # SQLModel sets __table__ when it makes the class
     for job_id in {e["job_id"] for e in events}:
         signals.publish(session, signals.EVENTS, job_id)
 

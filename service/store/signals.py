@@ -66,7 +66,7 @@ def unsent_notes(session: Session) -> list[tuple[str, str]]:
 
 @event.listens_for(OrmSession, "before_commit")
 def _before_commit(session: OrmSession) -> None:
-    notes = unsent_notes(session)  # type: ignore[arg-type]
+    notes = unsent_notes(session)  # type: ignore[arg-type]  # the ORM's Session, of which SQLModel's is a subclass
     if not notes:
         return
     # One statement for all (a round trip of a submission's few).

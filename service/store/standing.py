@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 
+from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, or_, select
 
 from service.core.resources import ACCELERATOR_PREFIX
@@ -42,12 +43,12 @@ def _uses(
         if until is None
         else ended_since & (col(Attempt.ended_at) <= until)
     )
-    query = (
-        select(Attempt, Job.owner, Job.team, Job.queue, Job.accelerator_type)
+    query = (  # SQLAlchemy's select: SQLModel's is typed for four columns at most
+        sa_select(Attempt, col(Job.owner), col(Job.team), col(Job.queue), col(Job.accelerator_type))
         .join(Job, col(Job.id) == col(Attempt.job_id))
         .where(where)
     )
-    return [tuple(row) for row in session.exec(query).all()]  # type: ignore[misc]
+    return [tuple(row) for row in session.execute(query).all()]
 
 
 # Attempts that ended this long before a read are settled: their usage only decays from then on, so each process
@@ -78,7 +79,7 @@ def fair_usage(session: Session, config: FairShare, now: datetime, *, cached: bo
     """
     if not config.enabled:
         return Usage()
-    key = (str(session.get_bind().url), repr(config))
+    key = (str(session.get_bind().engine.url), repr(config))
     with _usage_lock:
         hit = _usage_cache.get(key)
     if not (cached and hit is not None and timedelta(0) <= now - hit[0] < timedelta(seconds=config.refresh_seconds)):

@@ -47,7 +47,7 @@ from datetime import timedelta
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection, Engine
-from sqlmodel import delete, select
+from sqlmodel import col, delete, select
 
 from service.config.settings import Settings
 from service.store.db import base_engine, session_scope
@@ -105,7 +105,10 @@ def verify(token: str, keys: Iterable[str], *, prefix: str = PREFIX) -> tuple[st
     `InvalidToken`. Signatures are compared in constant time. The prefix is signed: a bootstrap credential is not an
     attempt token, nor the other way round."""
     claims = _verified(token, keys, prefix)
-    return claims["j"], claims["a"]
+    job_id, attempt = claims["j"], claims["a"]
+    if not isinstance(job_id, str) or not isinstance(attempt, int):  # signed by us, so never; said, not assumed
+        raise InvalidToken("not an attempt token")
+    return job_id, attempt
 
 
 def owner_of(token: str, keys: Iterable[str]) -> str | None:
@@ -193,7 +196,7 @@ def forget_cached_keys() -> None:
 
 
 def _read(session) -> Keys | None:  # noqa: ANN001
-    rows = session.exec(select(ProgressKey).order_by(ProgressKey.active_from.desc(), ProgressKey.kid)).all()  # type: ignore[attr-defined]
+    rows = session.exec(select(ProgressKey).order_by(col(ProgressKey.active_from).desc(), col(ProgressKey.kid))).all()
     if not rows:
         return None
     now = utcnow()
@@ -226,7 +229,7 @@ def rotate(engine: Engine) -> str:
     secret = secrets.token_urlsafe(32)
     with session_scope(engine) as session:
         keep = {key_id(current), key_id(secret)}
-        session.exec(delete(ProgressKey).where(ProgressKey.kid.not_in(keep)))  # type: ignore[attr-defined,call-overload]
+        session.exec(delete(ProgressKey).where(col(ProgressKey.kid).not_in(keep)))
         active_from = utcnow() + timedelta(seconds=ACTIVATION_DELAY_SECONDS)
         session.add(ProgressKey(kid=key_id(secret), secret=secret, active_from=active_from))
     forget_cached_keys()

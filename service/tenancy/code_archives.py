@@ -137,7 +137,7 @@ def use_named(session: Session, spec: JobSpec, settings: Settings, *, owner: str
         elif row.last_used_at < now - _touch_spacing(settings):
             # An UPDATE, not a read: it waits for an expiry pass deleting this row, and then changes nothing.
             done = session.execute(update(CodeArchive).where(col(CodeArchive.id) == row.id).values(last_used_at=now))
-            if done.rowcount == 0:  # type: ignore[attr-defined]
+            if done.rowcount == 0:  # type: ignore[attr-defined]  # an UPDATE's result is a CursorResult; Session.execute says Result
                 row = None
         if row is None:
             raise InvalidSpec(
@@ -160,7 +160,7 @@ def _adopt(session: Session, settings: Settings, folder: str, sha256: str, *, ow
         return None
     values = {"owner": owner if code_store.owner_segment(owner) == folder else folder, "sha256": sha256,
               "size": size, "created_at": now, "last_used_at": now}  # fmt: skip
-    table = CodeArchive.__table__  # type: ignore[attr-defined]
+    table = CodeArchive.__table__  # type: ignore[attr-defined]  # SQLModel sets __table__ when it makes the class
     insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
     session.execute(insert(table).values(values).on_conflict_do_nothing())  # an upload of it may have made it meanwhile
     return _row_of(session, folder, sha256)

@@ -120,7 +120,7 @@ def for_attempt(session: Session, settings: Settings, spec: JobSpec) -> CodeProo
     rewritten; InvalidSpec when it is gone."""
     uri = spec.runtime_env.get("working_dir")
     parsed = code_store.parse_uri(uri, settings) if isinstance(uri, str) else None
-    if parsed is None:
+    if parsed is None or not isinstance(uri, str):
         return None
     folder, sha256 = parsed
     row = _row(session, folder, sha256)
@@ -142,7 +142,7 @@ def for_attempt(session: Session, settings: Settings, spec: JobSpec) -> CodeProo
         files = code_manifest.of_zip(spool)  # proven the upload's bytes: its listing is the upload's
         size = spool.seek(0, 2)
     digest = code_manifest.digest(files)
-    with session_scope(session.get_bind()) as writer:  # type: ignore[arg-type]
+    with session_scope(session.get_bind()) as writer:  # type: ignore[arg-type]  # the API's sessions are bound to an Engine
         again = _row(writer, folder, sha256)
         if again is None:  # stored before rows were kept, and not submitted since: the folder names its owner
             writer.add(CodeArchive(owner=folder, sha256=sha256, size=size, tree=files, tree_sha256=digest))

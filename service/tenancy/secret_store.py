@@ -28,8 +28,8 @@ from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 from sqlalchemy import func
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import Engine
-from sqlmodel import Session, select
+from sqlalchemy.engine import Connection, Engine
+from sqlmodel import Session, col, select
 
 from service.config.settings import Settings
 from service.core.errors import Conflict, Forbidden, InvalidSpec, NotFound
@@ -55,8 +55,8 @@ def _fernet_key(material: str) -> bytes:
 _stored: weakref.WeakKeyDictionary[Engine, str] = weakref.WeakKeyDictionary()
 
 
-def _stored_key(engine: Engine) -> str:
-    engine = base_engine(engine)
+def _stored_key(bind: Engine | Connection) -> str:
+    engine = base_engine(bind)
     key = _stored.get(engine)
     if key is None:
         with session_scope(engine) as session:
@@ -68,7 +68,7 @@ def _stored_key(engine: Engine) -> str:
     return key
 
 
-def cipher(engine: Engine, settings: Settings) -> MultiFernet:
+def cipher(engine: Engine | Connection, settings: Settings) -> MultiFernet:
     """The current key first (it encrypts), then the previous ones (they still decrypt)."""
     materials = [settings.secrets_key or _stored_key(engine), *(k for k in settings.secrets_previous_keys if k)]
     return MultiFernet([Fernet(_fernet_key(m)) for m in materials])
@@ -129,7 +129,7 @@ def resolve(session: Session, names: Iterable[str], *, owner: str, team: str | N
     if not wanted:
         return {}
     holders = [(Scope.owner.value, owner), (Scope.cluster.value, "")] + ([(Scope.team.value, team)] if team else [])
-    rows = session.exec(select(Secret).where(Secret.name.in_(wanted))).all()  # type: ignore[attr-defined]
+    rows = session.exec(select(Secret).where(col(Secret.name).in_(wanted))).all()
     rank = {Scope.owner.value: 0, Scope.team.value: 1, Scope.cluster.value: 2}
     found: dict[str, Secret | None] = dict.fromkeys(wanted)
     for row in sorted(rows, key=lambda r: rank.get(r.scope, 9), reverse=True):

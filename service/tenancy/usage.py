@@ -145,14 +145,14 @@ def resource_seconds(session: Session, *, now: datetime) -> dict[tuple[str, str]
     """All-time (CPU, GPU) seconds by (owner, queue): ended attempts in full, summed in SQL; running ones to `now`."""
     held = _held_seconds(session)
     ended = session.execute(
-        select(Job.owner, Job.queue, func.sum(col(Attempt.cpus) * held), func.sum(col(Attempt.gpus) * held))
+        select(col(Job.owner), col(Job.queue), func.sum(col(Attempt.cpus) * held), func.sum(col(Attempt.gpus) * held))
         .join(Job, col(Job.id) == col(Attempt.job_id))
         .where(col(Attempt.ended_at).is_not(None))
         .group_by(Job.owner, Job.queue)
     ).all()
     totals = {(owner, queue): (float(cpu or 0.0), float(gpu or 0.0)) for owner, queue, cpu, gpu in ended}
     running = session.execute(
-        select(Job.owner, Job.queue, Attempt.cpus, Attempt.gpus, Attempt.started_at)
+        select(col(Job.owner), col(Job.queue), col(Attempt.cpus), col(Attempt.gpus), col(Attempt.started_at))
         .join(Job, col(Job.id) == col(Attempt.job_id))
         .where(col(Attempt.ended_at).is_(None))
     ).all()
@@ -180,14 +180,14 @@ def _overlapping(
 ) -> Iterable[Any]:
     query = (
         select(
-            Job.owner,
-            Job.team,
-            Job.queue,
-            Attempt.cpus,
-            Attempt.gpus,
-            Attempt.started_at,
-            Attempt.ended_at,
-            Job.accelerator_type,
+            col(Job.owner),
+            col(Job.team),
+            col(Job.queue),
+            col(Attempt.cpus),
+            col(Attempt.gpus),
+            col(Attempt.started_at),
+            col(Attempt.ended_at),
+            col(Job.accelerator_type),
         )  # fmt: skip
         .join(Job, col(Job.id) == col(Attempt.job_id))
         .where(col(Attempt.started_at) < until, *scope)
@@ -211,14 +211,14 @@ def _ended(
     session: Session, scope: list[ColumnElement[bool]], since: datetime | None, until: datetime
 ) -> tuple[dict[str, int], dict[str, int]]:
     """Jobs that finished in the window, by end state and by end reason."""
-    query = select(Job.state, Job.end_reason, func.count()).where(
+    query = select(col(Job.state), col(Job.end_reason), func.count()).where(
         col(Job.state).in_(END_STATES), col(Job.finished_at) < until, *scope
     )
     if since is not None:
         query = query.where(col(Job.finished_at) >= since)
     by_state = {state.value: 0 for state in END_STATES}
     by_reason: dict[str, int] = {}
-    for state, reason, n in session.execute(query.group_by(Job.state, Job.end_reason)).all():
+    for state, reason, n in session.execute(query.group_by(col(Job.state), col(Job.end_reason))).all():
         by_state[JobState(state).value] += n
         key = getattr(reason, "value", reason) or "unknown"
         by_reason[key] = by_reason.get(key, 0) + n
@@ -228,7 +228,7 @@ def _ended(
 def _waits(session: Session, scope: list[ColumnElement[bool]], since: datetime | None, until: datetime) -> list[float]:
     """Each job's wait for its first attempt (number 1), when that attempt started in the window."""
     query = (
-        select(Job.created_at, Attempt.started_at)
+        select(col(Job.created_at), col(Attempt.started_at))
         .join(Job, col(Job.id) == col(Attempt.job_id))
         .where(col(Attempt.number) == 1, col(Attempt.started_at) < until, *scope)
     )

@@ -31,7 +31,8 @@ def held_back(session: Session, *, now: datetime) -> ColumnElement[bool] | None:
         return None
     sweep_ids = sorted({str(sweep_id) for _, sweep_id, _, _ in rows})
     limits = {str(sweep_id): int(limit) for sweep_id, limit in session.exec(
-        select(Sweep.id, Sweep.max_parallel).where(col(Sweep.id).in_(sweep_ids))).all()}  # fmt: skip
+        select(Sweep.id, Sweep.max_parallel).where(col(Sweep.id).in_(sweep_ids))).all()
+        if limit is not None}  # fmt: skip
     counted = session.exec(
         select(Job.sweep_id, func.count())
         .where(col(Job.sweep_id).in_(list(limits)), col(Job.state).in_(list(ACTIVE_STATES)))
@@ -49,7 +50,7 @@ def held_back(session: Session, *, now: datetime) -> ColumnElement[bool] | None:
             changed.setdefault(why, []).append(job_id)
     for why, ids in changed.items():
         session.execute(
-            update(Job).where(col(Job.id).in_(ids), Job.state == JobState.QUEUED).values(state_reason=why),
+            update(Job).where(col(Job.id).in_(ids), col(Job.state) == JobState.QUEUED).values(state_reason=why),
             execution_options={"synchronize_session": False},
         )
     allowed = [job_id for job_id, *_ in rows if job_id not in held]

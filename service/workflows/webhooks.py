@@ -230,12 +230,14 @@ class Sender:
                 result = session.execute(
                     update(Notification)
                     .where(
-                        col(Notification.id) == row.id, Notification.state == PENDING, col(Notification.next_at) <= now
+                        col(Notification.id) == row.id,
+                        col(Notification.state) == PENDING,
+                        col(Notification.next_at) <= now,
                     )  # fmt: skip
                     .values(claim_token=token, next_at=now + timedelta(seconds=self.claim_seconds))
                     .execution_options(synchronize_session=False)
                 )
-                if result.rowcount == 1:  # type: ignore[attr-defined]
+                if result.rowcount == 1:  # type: ignore[attr-defined]  # an UPDATE's result is a CursorResult; Session.execute says Result
                     row.claim_token = token
                     per_url[row.url] = per_url.get(row.url, 0) + 1
                     per_owner[owner] = per_owner.get(owner, 0) + 1
@@ -278,7 +280,7 @@ class Sender:
         with session_scope(self.engine) as session:
             session.execute(
                 update(Notification)
-                .where(col(Notification.id) == row.id, Notification.claim_token == row.claim_token)
+                .where(col(Notification.id) == row.id, col(Notification.claim_token) == row.claim_token)
                 .values(**values)
                 .execution_options(synchronize_session=False)
             )

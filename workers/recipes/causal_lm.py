@@ -193,7 +193,7 @@ def train_loop(config: dict[str, Any]) -> None:
             break
     if last_checkpoint != prepared.step or prepared.step == 0:  # the end of training is always checkpointed
         loss = torch.stack(losses).mean().item() if losses and last_reported != prepared.step else None
-        prepared.report(**({"loss": loss} if loss is not None else {}), checkpoint=True)
+        prepared.report({"loss": loss} if loss is not None else None, checkpoint=True)
     destination = save_final(prepared, tokenizer)
     if destination:
         print(f"[shunter] causal-lm: model saved to {destination}", flush=True)

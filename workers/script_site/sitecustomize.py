@@ -88,7 +88,7 @@ def _patch(module: ModuleType) -> None:
             _note("the Trainer runs without shunter's callback", exc)
 
     functools.update_wrapper(__init__, original)  # inspect.signature(Trainer.__init__) stays the original's
-    __init__._shunter_wrapped = True  # type: ignore[attr-defined]
+    __init__._shunter_wrapped = True  # type: ignore[attr-defined]  # a mark on a function object
     trainer_class.__init__ = __init__
 
 

@@ -105,7 +105,7 @@ def distributed_loader(data_loader: Any) -> Any:
         extra: dict[str, Any] = {}
         if loader.num_workers > 0:
             extra = {"prefetch_factor": loader.prefetch_factor, "persistent_workers": loader.persistent_workers}
-        sampler = DistributedSampler(loader.dataset, num_replicas=size, rank=rank,
+        sampler: DistributedSampler[Any] = DistributedSampler(loader.dataset, num_replicas=size, rank=rank,
                                      shuffle=isinstance(loader.sampler, RandomSampler))  # fmt: skip
         data_loader = DataLoader(
             loader.dataset, batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
@@ -177,7 +177,7 @@ class Prepared:
         """This epoch's batches (sampler reshuffled per epoch), skipping those a resumed checkpoint already saw."""
         loader = self.data_loader
         sampler = getattr(loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
+        if sampler is not None and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self.epoch)
         skip, self._skip_batches = self._skip_batches, 0
         for index, batch in enumerate(loader):

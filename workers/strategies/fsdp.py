@@ -57,7 +57,7 @@ def device_mesh(strategy: StrategySpec, device_type: str) -> Any:
 def _activation_checkpointing(model: torch.nn.Module, blocks: tuple[type[torch.nn.Module], ...]) -> None:
     # HF models know how to checkpoint themselves and keep their state-dict keys (save_pretrained stays valid).
     if hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]  # HF's method, typed by nn.Module.__getattr__
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 

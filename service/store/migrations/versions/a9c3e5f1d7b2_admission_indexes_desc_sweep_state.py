@@ -25,7 +25,7 @@ down_revision = "f4d8a6b0c3e5"
 branch_labels = None
 depends_on = None
 
-DESC_INDEXES = {
+DESC_INDEXES: dict[str, list[str | sa.TextClause]] = {
     "ix_jobs_admission_order": ["state", sa.text("priority DESC"), "created_at", "id"],
     "ix_jobs_owner_admission_order": ["state", "owner", sa.text("priority DESC"), "created_at", "id"],
 }
