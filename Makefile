@@ -66,7 +66,7 @@ screenshots: install
 	$(PY) -m tests.ui.screenshots docs
 
 lint: install
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy api service workers
 
 clean:
 	rm -rf shunter-data shunter.db shunter.db-wal shunter.db-shm
