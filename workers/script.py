@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -58,10 +57,14 @@ def resolve_script(script: str) -> Path:
     return locate(script, field="entrypoint.script")
 
 
-def _free_port(address: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((address, 0))
-        return int(sock.getsockname()[1])
+def rendezvous_port() -> int:
+    """A port for the script's rendezvous on rank 0's node, which the script's process binds seconds later (Python and
+    torch start first). Picked below the kernel's ephemeral range (`service.backends.ray_local.free_port`), where no
+    outgoing connection or port-0 bind is handed it meanwhile; a port picked by binding port 0 came from that very
+    range, open to any socket of the node until the script bound it."""
+    from service.backends.ray_local import free_port
+
+    return free_port()
 
 
 def _die_with_parent() -> None:
@@ -325,7 +328,7 @@ def run_script(config: dict[str, Any]) -> None:
     rendezvous = None
     if rank == 0:
         address = get_node_ip_address()
-        rendezvous = (address, _free_port(address))
+        rendezvous = (address, rendezvous_port())
     master_addr, master_port = broadcast_from_rank_zero(rendezvous)
     env = torchrun_environment(master_addr=master_addr, master_port=master_port, run_id=job)
     added = script_environment(layout)

@@ -228,3 +228,20 @@ def test_deepspeed_short_form_defaults_survive_the_dump() -> None:
     config = build_config(stored.strategy, world_size=2, micro_batch_size=4, precision=MixedPrecision.no, use_gpu=False)
     assert config["zero_optimization"] == {"stage": 2, "overlap_comm": False, "contiguous_gradients": True}
     assert config["gradient_accumulation_steps"] == 1 and config["train_batch_size"] == 8
+
+
+def test_a_script_rendezvous_port_is_outside_the_range_the_kernel_hands_out() -> None:
+    """Rank 0's Ray worker picks the script's rendezvous port; the script's own process binds it seconds later. A port
+    from the kernel's ephemeral range could meanwhile go to any outgoing connection of the node (the race the
+    session-head ports had, `tests/deploy/test_local_head.py`): the pick is below that range, and free on every
+    address."""
+    import socket
+
+    from service.backends import ray_local
+    from workers.script import rendezvous_port
+
+    low = ray_local._ephemeral_low()
+    picks = [rendezvous_port() for _ in range(50)]
+    assert all(ray_local.PICK_LOW <= p < low for p in picks), picks
+    with socket.socket() as sock:  # free on every address: rank 0's node address included
+        sock.bind(("0.0.0.0", picks[0]))
