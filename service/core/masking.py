@@ -55,10 +55,8 @@ class Masker:
         if not self.values:
             yield from chunks
             return
-        held, covered = (
-            b"",
-            list[tuple[int, int]](),
-        )  # covered: spans of `held` found while its bytes were in an earlier buffer
+        held = b""
+        covered: list[tuple[int, int]] = []  # spans of `held` found while its bytes were in an earlier buffer
         for chunk in chunks:
             data = held + chunk
             spans = _merged(covered + self.spans(data))
