@@ -98,7 +98,29 @@ def settings_page() -> str:
     return "\n".join(lines) + "\n"
 
 
-PAGES = {"spec.md": spec_page, "settings.md": settings_page}
+def end_reasons_page() -> str:
+    from service.policy.end_reasons import TABLE
+
+    lines = ["# End reasons", "",
+             "Generated from `service.policy.end_reasons.TABLE` by `docs/gen_reference.py`: why an attempt ended, and "
+             "what the service does about it. *retried*: another attempt runs while `retries.max_attempts` allows "
+             "(backoff between them); *free*: when a retry costs no attempt (at most `SHUNTER_MAX_FREE_RETRIES` per "
+             "job); *driver may record*: a job's own driver may say it ended so (the others the service finds "
+             "itself); *job ends*: the job's state when it is not retried.", "",
+             "| reason | meaning | retried | free | driver may record | job ends |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for reason, m in TABLE.items():
+        retried = "yes" if m.retryable else (f"with `retries.{m.opt_in}`" if m.opt_in else "no")
+        free = {None: "", "preempted": "yes", "confirmed_node": "once the cluster shows the node going",
+                "elastic_node": "an elastic job, once the cluster shows the node gone",
+                "head_restart": "unless `SHUNTER_COUNT_CLUSTER_RESTARTS`"}  # fmt: skip
+        free_when = free[m.free.value if m.free else None]
+        claim = ("yes, confirmed by the cluster" if m.confirm else "yes") if m.claimable else "no"
+        lines.append(f"| `{reason.value}` | {_cell(m.says)} | {retried} | {free_when} | {claim} | {m.state.value} |")
+    return "\n".join(lines) + "\n"
+
+
+PAGES = {"spec.md": spec_page, "settings.md": settings_page, "end-reasons.md": end_reasons_page}
 
 
 def main(argv: list[str]) -> int:

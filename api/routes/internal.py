@@ -23,6 +23,7 @@ from service.core.errors import Conflict, Forbidden, NotFound, ShunterError, Una
 from service.core.numbers import INT32_MAX
 from service.dispatch import submission
 from service.lifecycle import preflight_results, reports
+from service.policy import end_reasons
 from service.store.models import ACTIVE_STATES, EndReason, Job, JobState
 from service.tenancy import attempt_tokens, code_proof
 
@@ -37,7 +38,6 @@ MAX_STEP = INT32_MAX  # jobs.step and metrics.step are 32-bit integers on Postgr
 # `linger_seconds` after its driver's last word. `node_draining` and `node_lost` it may claim: they cost nothing only
 # when Ray bears them out (service.dispatch.nodes), and only up to the job's free retries (service.policy.retry).
 # `storage_tampered` (workers.proof) it may: that end is never retried, so a claim of it costs the claiming job alone.
-DRIVER_END_REASONS = frozenset(EndReason) - {EndReason.PREEMPTED, EndReason.TIMEOUT, EndReason.CLUSTER_RESTARTED}
 
 
 PREFIX = "/internal/v1/attempts"
@@ -145,7 +145,7 @@ class EndBody(_Body):
     @field_validator("reason")
     @classmethod
     def _driver_reason(cls, reason: EndReason) -> EndReason:
-        if reason not in DRIVER_END_REASONS:
+        if reason not in end_reasons.CLAIMABLE:  # the service finds the others itself
             raise ValueError(f"a driver cannot record {reason.value}")
         return reason
 

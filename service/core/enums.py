@@ -25,7 +25,8 @@ ACTIVE_STATES = frozenset({JobState.STARTING, JobState.RUNNING, JobState.CANCELL
 
 
 class EndReason(str, Enum):
-    """Why an attempt (or a job) ended. Distinct causes get distinct names: the retry policy reads them."""
+    """Why an attempt (or a job) ended. Distinct causes get distinct names; what each means (retried? free? who may
+    claim it?) is its row of `service.policy.end_reasons`."""
 
     SUCCEEDED = "succeeded"
     USER_ERROR = "user_error"  # the user's code raised or exited non-zero
@@ -47,19 +48,6 @@ class EndReason(str, Enum):
     # into it again (or, for a checkpoint, resume from an earlier one the user did not choose).
     STORAGE_TAMPERED = "storage_tampered"
     INFRA = "infra"  # Ray or shunter itself failed: submission refused, driver vanished
-
-    def is_retryable(self) -> bool:
-        return self in {
-            EndReason.WORKER_LOST,
-            EndReason.NODE_LOST,
-            EndReason.COLLECTIVE_TIMEOUT,
-            EndReason.INFRA,
-            EndReason.CLUSTER_RESTARTED,
-            EndReason.OUT_OF_MEMORY,
-            EndReason.NODE_DRAINING,  # counted only when Ray does not bear the drain out (service.policy.retry)
-            EndReason.PREFLIGHT_FAILED,  # retried off the node it names (service.policy.exclusion)
-            EndReason.STALLED,
-        }
 
 
 class EventKind(str, Enum):

@@ -20,14 +20,13 @@ from sqlmodel import col
 
 from service.lifecycle import reports
 from service.lifecycle.state import Move, end_reason_state, record_event, record_events, transition, transition_many
-from service.policy import retry
+from service.policy import end_reasons, retry
 from service.policy.reconcile import Action, Finish
 from service.spec.job import Retries
 from service.store.db import session_scope
 from service.store.models import Attempt, EndReason, EventKind, Job, JobState, utcnow
 
 log = logging.getLogger(__name__)
-NODE_ENDS = (EndReason.NODE_DRAINING, EndReason.NODE_LOST, EndReason.STALLED)
 
 
 @dataclass
@@ -126,7 +125,7 @@ class Finishing:
     def prepare_ending(self, job: Job, attempt: Attempt, action: Finish) -> Ending:
         """Everything an end needs before its transaction: the kept log, the retry decision."""
         reason, message = action.reason, action.message
-        if attempt.message and (action.log_later or reason in NODE_ENDS):
+        if attempt.message and (action.log_later or reason in end_reasons.DRIVER_ACCOUNT):
             message = attempt.message  # the driver's own account (a stall's: the dispatcher's, not Ray's "stopped")
         log_uri = self._host_effect(job, "log", self._keep_log, job, attempt) if action.keep_logs else None
         spec, _ = self.spec_of(job)
@@ -153,9 +152,10 @@ class Finishing:
         with session_scope(self.engine) as session:
             session.execute(_attempt_end(Attempt.__table__), [self._attempt_row(e)])  # type: ignore[attr-defined]  # SQLModel sets __table__ when it makes the class
             if decision.retry:
-                resumes = reports.steps_lost(session, job.id)
-                if reason is EndReason.NODE_DRAINING:
-                    record_event(session, job.id, kind=EventKind.DRAIN, reason="node_draining", attempt=job.attempt,
+                resumes, meaning = reports.steps_lost(session, job.id), end_reasons.of(reason)
+                if meaning.retry_event is not None:
+                    kind, said = meaning.retry_event
+                    record_event(session, job.id, kind=kind, reason=said, attempt=job.attempt,
                                  message=f"{message[-1500:]}; {resumes}", actor=self.owner)  # fmt: skip
                 record_event(session, job.id, kind=EventKind.RETRY, reason="retry_decided",
                              message=f"{decision.why}; {resumes}", attempt=job.attempt, actor=self.owner)  # fmt: skip
@@ -163,10 +163,9 @@ class Finishing:
                           "preempt_requested_at": None}  # fmt: skip
                 if decision.uncounted:  # not failures: preempted, drained, an elastic job shrinking
                     values.update(preemptions=job.preemptions + 1, last_error=None)
-                if reason is EndReason.PREEMPTED:
-                    message = "yielded as asked (its preemption_requested or grow_requested event says why)"
-                elif reason is EndReason.CLUSTER_RESTARTED:
-                    values.update(cluster_restarts=job.cluster_restarts + 1)
+                if meaning.counter is not None:
+                    values[meaning.counter] = getattr(job, meaning.counter) + 1
+                message = meaning.retry_says or message
                 transition(session, job, to=JobState.QUEUED, reason=reason.value, lease_token=job.lease_token,
                            actor=self.owner, message=f"{message[-500:]}; retrying in {decision.delay_seconds:.0f}s",
                            values=values)  # fmt: skip

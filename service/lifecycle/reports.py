@@ -18,6 +18,7 @@ from sqlmodel import Session, col, select
 from service.core.errors import ShunterError
 from service.lifecycle import node_faults
 from service.lifecycle.state import record_event
+from service.policy import end_reasons
 from service.store import signals
 from service.store.db import begin_write
 from service.store.models import ACTIVE_STATES, Attempt, Checkpoint, EndReason, EventKind, Job, JobEvent, Metric, utcnow
@@ -387,7 +388,7 @@ def node_losses(engine: Engine, job_id: str, attempt_id: int | None, reason: End
     """For an attempt ending `reason`: how many earlier attempts of the job drained or lost a node (service.policy.retry
     bounds their free retries). Asked only for those ends: every other one is decided without it, so a database that
     lacks the newer end reasons (not migrated yet) fails no other end."""
-    lost = (EndReason.NODE_DRAINING, EndReason.NODE_LOST)
+    lost = sorted(end_reasons.NODE_ENDS)
     if reason not in lost:
         return 0
     with Session(engine) as session:

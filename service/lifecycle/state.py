@@ -15,6 +15,7 @@ from sqlalchemy import bindparam, insert, select, update
 from sqlmodel import Session, col
 
 from service.core.errors import IllegalTransition, StaleWrite
+from service.policy import end_reasons
 from service.store import signals
 from service.store.models import EndReason, EventKind, Job, JobDependency, JobEvent, JobState, utcnow
 from service.workflows import dependencies, notifications
@@ -216,8 +217,5 @@ def record_events(session: Session, events: list[dict[str, Any]]) -> None:
 
 
 def end_reason_state(reason: EndReason) -> JobState:
-    if reason is EndReason.SUCCEEDED:
-        return S.SUCCEEDED
-    if reason is EndReason.CANCELLED:
-        return S.CANCELLED
-    return S.FAILED
+    """The job's state when an attempt that ended so is not retried (its row of `service.policy.end_reasons`)."""
+    return end_reasons.of(reason).state

@@ -25,6 +25,7 @@ from datetime import datetime
 
 from service.core.backend import RayJobInfo
 from service.core.enums import EndReason, JobState
+from service.policy import end_reasons
 from service.policy.stall import (
     STACK_DUMP_SECONDS,
     STACK_SETTLE_SECONDS,
@@ -142,7 +143,7 @@ def classify(state: JobState, recorded: EndReason | None, ray: RayJobInfo) -> En
 # Ends a driver may claim that cost no attempt once the dispatcher has seen the node go (service.dispatch.nodes): they
 # wait for Ray's end of the Ray Job, so that the dispatcher's view of the nodes is at least as new as the end. A drained
 # script's driver speaks within a second of the notice, before any tick may have seen the node draining.
-CLAIMS_TO_CONFIRM = frozenset({EndReason.NODE_DRAINING, EndReason.NODE_LOST})
+CLAIMS_TO_CONFIRM = end_reasons.TO_CONFIRM
 
 
 def driver_end(state: JobState, recorded: EndReason) -> EndReason:

@@ -1,10 +1,13 @@
-"""Retry policy: after an attempt ends, run again (when, from what) or stop. Pure; table-driven tests cover it."""
+"""Retry policy: after an attempt ends, run again (when, from what) or stop. Pure; table-driven tests cover it. What
+each end reason is (retryable, free when) is its row of `service.policy.end_reasons`; the conditions are here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from service.core.enums import EndReason
+from service.policy import end_reasons
+from service.policy.end_reasons import Free
 
 
 @dataclass(frozen=True)
@@ -52,25 +55,25 @@ def decide(
     drain_confirmed = drain_confirmed and node_losses < max_free_node_losses and free_left
     if reason is EndReason.SUCCEEDED:
         return RetryDecision(False, why="succeeded")
-    if reason is EndReason.PREEMPTED and free_left:
+    kind = end_reasons.of(reason).free
+    if kind is Free.PREEMPTED and free_left:
         return RetryDecision(True, why="preempted: back to the queue, resuming from its checkpoint", uncounted=True)
-    if reason is EndReason.NODE_DRAINING and drain_confirmed:
+    if kind is Free.CONFIRMED_NODE and drain_confirmed:
         return RetryDecision(True, why="a node of the attempt is draining: it checkpointed and stopped; back to the "
                              "queue at once to resume on the nodes that stay; this does not count against "
                              "max_attempts", uncounted=True)  # fmt: skip
-    if reason is EndReason.NODE_LOST and elastic and drain_confirmed:
+    if kind is Free.ELASTIC_NODE and elastic and drain_confirmed:
         why = ("an elastic job lost a node: it resumes at once on the nodes that stay, at the size that fits; this "
                "does not count against max_attempts")  # fmt: skip
         return RetryDecision(True, why=why, uncounted=True)
-    if reason is EndReason.CLUSTER_RESTARTED and not count_cluster_restarts and free_left:
+    if kind is Free.HEAD_RESTART and not count_cluster_restarts and free_left:
         delay = min(backoff_seconds, max_backoff_seconds)
         return RetryDecision(True, delay_seconds=delay, why="the Ray head restarted and lost the attempt: resuming "
                              "from its checkpoint; this does not count against max_attempts")  # fmt: skip
     # Preempted attempts (for another job, or on a drain notice) were not failures, nor (unless counted) those a head
-    # restart took: they do not use up max_attempts.
+    # restart took: they do not use up max_attempts. Past the free ones, a free kind counts like any failure.
     attempt -= min(free, max_free_retries)
-    retryable = reason.is_retryable() or reason is EndReason.PREEMPTED  # preempted past the free ones: counted
-    if not (retryable or (reason is EndReason.TIMEOUT and retry_on_timeout)):
+    if not end_reasons.retryable(reason, opted_in=frozenset({"retry_on_timeout"} if retry_on_timeout else ())):
         return RetryDecision(False, why=f"{reason.value} is not retryable")
     if attempt >= max_attempts:
         spent = f"; {free} free retries spent (max_free_retries {max_free_retries})" if not free_left else ""

@@ -20,6 +20,7 @@ from service.core.errors import Conflict, InvalidSpec
 from service.dispatch import submission
 from service.lifecycle import jobs, leases
 from service.lifecycle.state import Move, transition, transition_many
+from service.policy import end_reasons
 from service.spec.depends_on import Condition, OnFailure, references, substitute
 from service.spec.job import JobSpec
 from service.store.models import EndReason, Job, JobDependency, JobEvent, JobState
@@ -221,7 +222,7 @@ def test_a_miss_ends_the_dependent_and_cascades_down_the_chain(db: Engine, polic
     assert row(db, b).last_error == "dependency a ended FAILED and can no longer succeed"
     assert row(db, c).last_error == f"dependency {b} ended {state.value} and can no longer succeed"
     assert (row(db, d).state, row(db, d).waiting_on) == (S.QUEUED, 0)
-    assert not EndReason.DEPENDENCY_FAILED.is_retryable()
+    assert not end_reasons.retryable(EndReason.DEPENDENCY_FAILED)
 
 
 def test_a_retry_of_the_failed_dependency_does_not_revive_its_dependent(db: Engine) -> None:
