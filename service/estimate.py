@@ -212,7 +212,8 @@ def _compute(session: Session, settings: Settings, now: datetime) -> dict[str, S
     policy = forecast.Policy(
         fair=fair, limits=limits, rules=rules, gpu_hours=standing.gpu_hours(session, rules, limits, now),
         reserve_after_seconds=settings.reserve_after_seconds, grace_seconds=settings.preemption_grace_seconds,
-        admit_batch=settings.admit_batch,
+        admit_batch=settings.admit_batch, grow=settings.elastic_grow,
+        grow_after_seconds=settings.elastic_grow_after_seconds, grow_min_gain=settings.elastic_grow_min_gain,
     )  # fmt: skip
     starts = forecast.forecast(waiters, running, _nodes(session), now.timestamp(), usage=usage, policy=policy,
                                arrivals=arrivals(session, now, ratio))  # fmt: skip
@@ -354,7 +355,7 @@ def _running(session: Session, now: datetime, grace: float, ratio: Ratios) -> li
         if timeout is not None and end == started + timeout and started + timeout * ratio(job.owner) > now.timestamp():
             end = started + timeout * ratio(job.owner)  # no step projection: as long as the owner's jobs run
         runner = forecast.Runner(job.id, job.owner, job.team, job.queue, job.priority, job.created_at.timestamp(),
-                                 total, end, cand=cand)  # fmt: skip
+                                 total, end, cand=cand, size=job.world_size, started=started)  # fmt: skip
         if job.preempt_requested_at is not None:  # asked to yield: gone when its grace runs out, if not before
             asked = job.preempt_requested_at.replace(tzinfo=job.preempt_requested_at.tzinfo or timezone.utc)
             stop = asked.timestamp() + grace

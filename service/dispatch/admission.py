@@ -21,7 +21,7 @@ from service.core.backend import ClusterView, submission_id
 from service.dispatch.scaling import Scaling
 from service.lifecycle import leases, node_faults, queues
 from service.lifecycle.state import Move, record_event, transition, transition_many
-from service.policy import demand, fairshare, growth, quotas, scheduler
+from service.policy import admission_pass, demand, fairshare, growth, scheduler
 from service.spec.job import JobSpec
 from service.store import standing
 from service.store.db import session_scope
@@ -95,20 +95,26 @@ def admit(
         kept_why = {c.job_id: {n: per_job[c.job_id][n] for n in c.excluded} for c in candidates if c.excluded}
         limits, rules = queues.limits(session, settings), settings.quota_rules()
         held = standing.held(admitted, resources_of)
-        usage = standing.fair_usage(session, fair, now)
-        holding = [fairshare.Holding(j.owner, j.team, resources_of(j), _timeout(spec_of, j)) for j in admitted]
-        ordered = fairshare.fair_order(candidates, usage, fair, holding)
-        decision = scheduler.plan(
-            candidates,
-            nodes,
-            limits=limits,
-            held=held,
-            rules=rules,
-            gpu_hours=standing.gpu_hours(session, rules, limits, now),
-            ordered=ordered,
-            now=now.timestamp(),
-            reserve_after_seconds=settings.reserve_after_seconds,
-        )
+        running = [
+            scheduler.Running(j.id, j.priority, j.created_at.timestamp(), resources_of(j),
+                              yielding=j.preempt_requested_at is not None, queue=j.queue)
+            for j in active
+        ]  # fmt: skip
+        pass_ = admission_pass.run(
+            candidates, nodes,
+            rules=admission_pass.Rules(fair=fair, limits=limits, quotas=rules, held=held,
+                                       gpu_hours=standing.gpu_hours(session, rules, limits, now),
+                                       reserve_after_seconds=settings.reserve_after_seconds),
+            usage=standing.fair_usage(session, fair, now),
+            holding=[fairshare.Holding(j.owner, j.team, resources_of(j), _timeout(spec_of, j)) for j in admitted],
+            running=running, room=dict(cluster.available), now=now.timestamp(),
+            planned=(lambda ordered, plan: scaling.plan(ordered, plan.waiting, _running(active, spec_of)))
+            if scaling is not None and scaling.enabled else None,
+            # the autoscaler may bring the room within the grace: no one is stopped for it yet
+            may_preempt=(lambda job_id: scaling.may_preempt(job_id, now)) if scaling is not None else None,
+            grow=_growth(session, active, specs_of=spec_of, settings=settings, now=now),
+        )  # fmt: skip
+        decision = pass_.plan
         by_id = {job.id: job for job, _ in waiting}
         specs = {job.id: spec for job, spec in waiting}
         starts = []
@@ -120,30 +126,13 @@ def admit(
                                          held=res.total(size), world_size=size, message=said,
                                          excluded=kept[job_id], why=kept_why.get(job_id)))  # fmt: skip
         started = _write_starts(session, starts, owner=owner, now=now, attempts=attempts)
-        if scaling is not None and scaling.enabled:
-            scaling.plan(ordered, decision.waiting, _running(active, spec_of))
         for job_id, why in decision.waiting.items():
             why = scaling.reason(job_id, why) if scaling is not None else why
             if by_id[job_id].state_reason != why:
                 leases.set_reason(session, job_id, why)
-        running = [
-            scheduler.Running(j.id, j.priority, j.created_at.timestamp(), resources_of(j),
-                              yielding=j.preempt_requested_at is not None, queue=j.queue)
-            for j in active
-        ]  # fmt: skip
-        free = dict(cluster.available)
-        served = scheduler.reclaim(decision, ordered, running, free, limits=limits, held=held)
-        why = "to take back the quota its queue lent"
-        if not served:
-            chosen = scheduler.preemption(decision, candidates, running, free, limits=limits)
-            if chosen is not None and scaling is not None and not scaling.may_preempt(chosen[0].job_id, now):
-                chosen = None  # the autoscaler may bring its room within the grace: no one is stopped for it yet
-            served = [chosen] if chosen is not None else []
-            why = ""
         by_active = {j.id: j for j in active}
-        if not served:
-            victims += _grow(session, decision, candidates, active, specs_of=spec_of, settings=settings, owner=owner,
-                             now=now, limits=limits, rules=rules)  # fmt: skip
+        served, why = pass_.served, pass_.why
+        victims += _grow(session, pass_.grown, by_active, owner=owner, now=now)
         for blocked, victim_ids in served:
             for victim_id in victim_ids:
                 victim = by_active[victim_id]
@@ -186,16 +175,14 @@ def _below_max(job: Job, spec: JobSpec | None) -> bool:
     return job.preempt_requested_at is None and job.world_size < spec.resources.max_workers
 
 
-def _grow(
-    session: Session, decision: scheduler.Plan, candidates: list[scheduler.Candidate], active: list[Job], *,
-    specs_of: SpecOf, settings: Settings, owner: str, now: datetime, limits: Any, rules: Any,
-) -> list[Job]:  # fmt: skip
-    """Ask running elastic jobs that may grow (service.policy.growth) to checkpoint and stop, to be admitted again
-    larger."""
+def _growth(
+    session: Session, active: list[Job], *, specs_of: SpecOf, settings: Settings, now: datetime
+) -> admission_pass.Growth | None:
+    """Growth's part of the pass (service.policy.growth): the running elastic jobs that may grow, with how long their
+    attempts have run."""
     if not settings.elastic_grow:
-        return []
-    after = settings.elastic_grow_after_seconds
-    growable, by_id = [], {}
+        return None
+    growable = []
     for job in active:
         spec, _ = specs_of(job)
         if spec is None or not _below_max(job, spec):
@@ -203,21 +190,13 @@ def _grow(
         started = session.exec(
             select(Attempt.started_at).where(Attempt.job_id == job.id, Attempt.number == job.attempt)
         ).first()
-        if started is None:
-            continue
-        growable.append(growth.Growable(candidate(job, spec), job.world_size or 0, (now - started).total_seconds()))
-        by_id[job.id] = job
-    if not growable:
-        return []
-    waiting = {c.job_id: c.priority for c in candidates if c.job_id in decision.waiting}
+        if started is not None:
+            growable.append(growth.Growable(candidate(job, spec), job.world_size or 0, (now - started).total_seconds()))
+    return admission_pass.Growth(settings.elastic_grow_after_seconds, settings.elastic_grow_min_gain, growable)
 
-    def check(cand: scheduler.Candidate, extra: dict[str, float]) -> str | None:
-        held = {scope: quotas.Held(h.running, h.cpus, h.gpus) for scope, h in decision.held.items()}
-        return quotas.check(extra, cand.queue, cand.owner, cand.team, limits=limits, quotas=rules,
-                            held=_without_one_running(held, cand))  # fmt: skip
 
-    sizes = growth.grow(growable, decision.left, waiting=list(waiting.values()), after_seconds=after,
-                        min_gain=settings.elastic_grow_min_gain, check=check)  # fmt: skip
+def _grow(session: Session, sizes: dict[str, int], by_id: dict[str, Job], *, owner: str, now: datetime) -> list[Job]:
+    """Ask the running elastic jobs the pass grows to checkpoint and stop, to be admitted again larger."""
     grown = []
     for job_id, size in sizes.items():
         job = by_id[job_id]
@@ -228,14 +207,6 @@ def _grow(
                      actor=owner, message=said)  # fmt: skip
         grown.append(job)
     return grown
-
-
-def _without_one_running(held: dict[quotas.Scope, quotas.Held], cand: scheduler.Candidate) -> dict:
-    """`held` as if the growing job were not counted as one more running job (it already is one)."""
-    for scope in quotas.scopes(cand.queue, cand.owner, cand.team):
-        if scope in held:
-            held[scope].running -= 1
-    return held
 
 
 def _start_attempt(

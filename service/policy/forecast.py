@@ -1,12 +1,12 @@
 """When will each queued job start? A forward replay of admission itself. Pure: no I/O, no clock.
 
-The replay runs the service's own policy (`fairshare.fair_order`, `scheduler.plan` with every queue limit, quota
-and cohort, `scheduler.reclaim` and `scheduler.preemption`) on a model of the cluster, from now on, one event at a
-time: a running job's expected end, a preempted job's grace running out, a retry backoff ending, a projected
-submission. At each event it admits what the real pass would admit (reading, as it does, only the first
-`admit_batch` queued jobs, shared among the owners), and a job's estimated start is the first event at which it is
-admitted. Between events each running job adds its decayed usage (`fairshare.decayed`), so the
-fair order moves as it would.
+The replay runs the service's own admission pass (`service.policy.admission_pass`: fair order, the plan with every
+queue limit, quota and cohort, reclaim, preemption and elastic growth, as the dispatcher runs it) on a model of the
+cluster, from now on, one event at a time: a running job's expected end, a preempted (or growing) job's grace running
+out, a retry backoff ending, a projected submission. At each event it admits what the real pass would admit
+(reading, as it does, only the first `admit_batch` queued jobs, shared among the owners), and a job's estimated start
+is the first event at which it is admitted. Between events each running job adds its decayed usage
+(`fairshare.decayed`), so the fair order moves as it would.
 
 A replay of only the jobs queued now is early whenever owners keep submitting: with fair share, a job submitted
 later by an owner who used less goes ahead of one waiting now. So each owner who submitted lately is projected to go
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from service.core import resources
-from service.policy import fairshare, scheduler
+from service.policy import admission_pass, fairshare, growth, scheduler
 from service.policy.fairshare import FairShare, Usage
 from service.policy.quotas import Held, QueueLimit, Quotas, Scope, count
 
@@ -67,7 +67,9 @@ class Runner:
     yielding: bool = False
     held: list[tuple[str, dict[str, float]]] = field(default_factory=list)  # (node id, amount) it holds
     rest: Waiter | None = None  # what goes back to the queue when it stops (asked to yield)
-    cand: scheduler.Candidate | None = None  # its worker group, to queue again with
+    cand: scheduler.Candidate | None = None  # its worker group (an elastic one's whole range), to queue again with
+    size: int | None = None  # workers it runs with (an elastic job: within its range)
+    started: float | None = None  # when its attempt started: growth waits `grow_after_seconds` from it
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,9 @@ class Policy:
     reserve_after_seconds: float | None = None
     grace_seconds: float = 60.0
     admit_batch: int = 64  # queued jobs one pass reads (`SHUNTER_ADMIT_BATCH`)
+    grow: bool = False  # running elastic jobs grow into free room (`SHUNTER_ELASTIC_GROW*`)
+    grow_after_seconds: float = 600.0
+    grow_min_gain: float = 0.0
 
 
 def forecast(
@@ -248,26 +253,31 @@ class _Feed:
 def _admit(
     pending: _Queue, live: list[Runner], free: dict[str, dict[str, float]], t: float, usage: Usage, policy: Policy
 ) -> list[str]:
-    """One admission pass at `t`, as `service.dispatch.admission.admit` runs it; starts what it admits and asks its
-    victims to yield. Returns the ids admitted."""
+    """One admission pass at `t`: the dispatcher's own sequence (`service.policy.admission_pass`); starts what it
+    admits and asks its victims, and the jobs it grows, to yield. Returns the ids admitted."""
     ready = pending.heads(t)
-    if not ready:
+    if not ready and not (policy.grow and any(_growable(r) for r in live)):
         return []
     cands = [w.cand for w in ready]
-    holding = [fairshare.Holding(r.owner, r.team, r.total, r.cand.run_seconds if r.cand else None) for r in live]
-    ordered = fairshare.fair_order(cands, usage, policy.fair, holding)
     held: dict[Scope, Held] = {}
     for r in live:
         count(held, r.total, r.queue, r.owner, r.team)
-    decision = scheduler.plan(
-        cands, [scheduler.NodeFree(n, dict(room)) for n, room in free.items()], limits=policy.limits, held=held,
-        rules=policy.rules, gpu_hours=policy.gpu_hours, ordered=ordered, now=t,
-        reserve_after_seconds=policy.reserve_after_seconds,
-    )  # fmt: skip
-    room = resources.sum_of(free.values())
     by_id = {r.job_id: r for r in live}  # the victims are among these: jobs admitted before this pass
-    running = [scheduler.Running(r.job_id, r.priority, r.seq, r.total, yielding=r.yielding, queue=r.queue)
-               for r in live]  # fmt: skip
+    growth_ = None
+    if policy.grow:
+        jobs = [growth.Growable(r.cand, r.size or 0, t - (r.started or t)) for r in live if _growable(r) and r.cand]
+        growth_ = admission_pass.Growth(policy.grow_after_seconds, policy.grow_min_gain, jobs)
+    pass_ = admission_pass.run(
+        cands, [scheduler.NodeFree(n, dict(room)) for n, room in free.items()],
+        rules=admission_pass.Rules(fair=policy.fair, limits=policy.limits, quotas=policy.rules, held=held,
+                                   gpu_hours=policy.gpu_hours, reserve_after_seconds=policy.reserve_after_seconds),
+        usage=usage,
+        holding=[fairshare.Holding(r.owner, r.team, r.total, r.cand.run_seconds if r.cand else None) for r in live],
+        running=[scheduler.Running(r.job_id, r.priority, r.seq, r.total, yielding=r.yielding, queue=r.queue)
+                 for r in live],
+        room=resources.sum_of(free.values()), now=t, grow=growth_,
+    )  # fmt: skip
+    decision = pass_.plan
     started = []
     for job_id in decision.admit:
         waiter = pending.pop(job_id)
@@ -283,15 +293,16 @@ def _admit(
             resources.take(free[node], cand.per_worker)
         end = None if waiter.duration is None else t + waiter.duration
         live.append(Runner(job_id, cand.owner, cand.team, cand.queue, cand.priority, cand.seq, cand.total(), end,
-                           held=[(node, dict(cand.per_worker)) for node in placed], cand=cand))  # fmt: skip
-    served = scheduler.reclaim(decision, ordered, running, room, limits=policy.limits, held=held)
-    if not served:
-        chosen = scheduler.preemption(decision, cands, running, room, limits=policy.limits)
-        served = [chosen] if chosen is not None else []
-    for _, victims in served:
-        for victim_id in victims:
-            _yield(by_id[victim_id], t, policy.grace_seconds)
+                           held=[(node, dict(cand.per_worker)) for node in placed], cand=waiter.cand,
+                           size=cand.num_workers, started=t))  # fmt: skip
+    for victim_id in [v for _, victims in pass_.served for v in victims] + list(pass_.grown):
+        _yield(by_id[victim_id], t, policy.grace_seconds)
     return started
+
+
+def _growable(r: Runner) -> bool:
+    """A running elastic job below its range's max, not asked to yield: one that growth may ask to grow."""
+    return r.cand is not None and r.cand.elastic and not r.yielding and (r.size or 0) < r.cand.num_workers
 
 
 def _yield(runner: Runner, t: float, grace: float) -> None:

@@ -141,6 +141,20 @@ def test_a_higher_priority_job_preempts_in_its_queue() -> None:
     assert forecast([waiter("hi", 2, 100, prio=5)], running, one_node(2), 0.0, policy=policy) == {"hi": 45}
 
 
+@pytest.mark.parametrize(("grow", "expected"), [(False, 100), (True, 1060)], ids=["growth-off", "growth-on"])
+def test_the_replay_grows_an_elastic_job_as_the_dispatcher_would(grow: bool, expected: float) -> None:
+    """The replay runs the dispatcher's whole pass (service.policy.admission_pass), growth included: an elastic job
+    at 2 of 2..4 workers that has run past `grow_after_seconds`, with a job of lower priority waiting, is asked to grow
+    into the 2 free CPUs. It checkpoints at the notice and stops after its grace (60 s), comes back at 4 workers ahead
+    of the waiting job (its priority is higher) for the 1000 s it had left, and holds the room that job would have had
+    once the other running job ends at 100."""
+    elastic = Candidate("e", 5, -2, 4, {CPU: 1.0}, "pack", "default", "zed", None, min_workers=2)
+    running = [Runner("e", "zed", None, "default", 5, -2, {CPU: 2}, 1000.0, cand=elastic, size=2, started=-900.0),
+               runner("r", 2, 100)]  # fmt: skip
+    policy = Policy(fair=FIFO.fair, grace_seconds=60, grow=grow, grow_after_seconds=600)
+    assert forecast([waiter("q", 3, 50)], running, one_node(6), 0.0, policy=policy) == {"q": expected}
+
+
 def test_a_replay_that_cannot_end_gives_no_estimate_instead_of_spinning() -> None:
     """Projected submissions never free room: with nothing that ends, the replay stops at once."""
     keeps = [Arrivals("bob", 0.0, 0.001, (waiter("t", 1, 10, owner="bob"),))]

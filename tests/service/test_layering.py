@@ -250,6 +250,38 @@ def test_job_events_have_one_writer() -> None:
     assert writers == ["service/lifecycle/state.py"]
 
 
+def test_the_admission_sequence_is_written_once() -> None:
+    """Plan, reclaim, preemption and growth are called in one place, `service.policy.admission_pass`, which the
+    dispatcher's admission and the start forecast both run (issue 36): a copy cannot drift from the real pass."""
+    steps = {("scheduler", "plan"), ("scheduler", "reclaim"), ("scheduler", "preemption"), ("growth", "grow")}
+    found: dict[str, list[str]] = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                    owner = node.func.value
+                    if isinstance(owner, ast.Name) and (owner.id, node.func.attr) in steps:
+                        found.setdefault(str(path.relative_to(ROOT)), []).append(node.func.attr)
+                if isinstance(node, ast.ImportFrom) and (node.module or "").endswith(("scheduler", "growth")):
+                    taken = {a.name for a in node.names} & {name for _, name in steps}
+                    if taken:
+                        found.setdefault(str(path.relative_to(ROOT)), []).extend(sorted(taken))
+    assert found == {"service/policy/admission_pass.py": ["plan", "reclaim", "preemption", "grow"]}
+
+
+def test_what_an_end_reason_means_is_one_table() -> None:
+    """Nothing outside `service.policy.end_reasons` lists end reasons to decide what they mean: the sets it derives
+    (retryable, claimable, to confirm, the driver's account) and the job's end state are read from its rows."""
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            text = path.read_text()
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, (ast.Set, ast.Tuple, ast.List)) and len(node.elts) > 1:
+                    members = [e for e in node.elts if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name)
+                               and e.value.id == "EndReason"]  # fmt: skip
+                    assert len(members) < 2, f"{path.relative_to(ROOT)}:{node.lineno} lists end reasons"
+
+
 def test_the_tree_type_checks(tmp_path: Path) -> None:
     """Issue 36, item 7: `mypy api service workers`, from the repository root with pyproject.toml's [tool.mypy], exits
     0; the pure decisions (service/policy/) under `--strict`'s per-module flags, in the same run."""
