@@ -5,15 +5,22 @@ after it was asked for gets `capacity_arrived`, with how long the room took.
 
 Only under `SHUNTER_CLUSTER_MAY_GROW`. A request Ray did not take is sent again after the next pass; one this
 dispatcher sent is withdrawn (an empty request) once nothing waits for room, so idle nodes can go.
+
+A dispatcher that starts (a restart, a new replica) carries on where the last one left off: when each waiting job's
+room was first asked for is read back from its `scale_requested` event, so the scale-up timeout, the preemption grace
+and the job's reason count from the first ask and no second event is written; and its first pass sends its request
+whatever it is, an empty one included, so a request that an earlier dispatcher left standing in Ray is replaced and
+idle nodes are not kept for a queue that has emptied.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from datetime import datetime
+from datetime import datetime, timezone
 
 from sqlalchemy.engine import Engine
+from sqlmodel import col, select
 
 from service.config.settings import Settings
 from service.core.backend import Backend
@@ -23,7 +30,7 @@ from service.lifecycle.state import record_event, transition
 from service.policy.demand import Demand, Running, demand, may_preempt
 from service.policy.scheduler import Candidate
 from service.store.db import session_scope
-from service.store.models import EndReason, EventKind, Job, JobState, utcnow
+from service.store.models import EndReason, EventKind, Job, JobEvent, JobState, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +42,7 @@ class Scaling:
         self.asked: dict[str, datetime] = {}  # job id -> when its room was first asked for (until it starts)
         self.sent: Demand | None = None  # the last request Ray took (None: none sent by this dispatcher)
         self.sent_at: datetime | None = None
+        self._resumed = False  # `asked` read back from the database (once, at the first pass)
         self._lock = threading.Lock()
 
     @property
@@ -43,8 +51,30 @@ class Scaling:
 
     def plan(self, ordered: list[Candidate], waiting: dict[str, str], running: list[Running]) -> None:
         """In the admission pass: what to ask for, from its order and its reasons (see `service.policy.demand`)."""
+        if not self._resumed:
+            self._resume()
         self.wanted = demand(ordered, waiting, running, max_jobs=self.settings.scale_max_pending_jobs,
                              node_types=self.settings.node_type_list())  # fmt: skip
+
+    def _resume(self) -> None:
+        """The ask times of the queued jobs still waiting for room, from their events: each job's latest
+        `scale_requested` not followed by its `capacity_arrived`."""
+        query = (
+            select(JobEvent.job_id, JobEvent.reason, JobEvent.at)
+            .join(Job, col(Job.id) == col(JobEvent.job_id))
+            .where(Job.state == JobState.QUEUED, JobEvent.kind == EventKind.SCALE.value)
+            .order_by(col(JobEvent.id))
+        )
+        asked: dict[str, datetime] = {}
+        with session_scope(self.engine, write=False) as session:
+            for job_id, said, at in session.exec(query).all():
+                if said == "scale_requested":
+                    asked[job_id] = at if at.tzinfo is not None else at.replace(tzinfo=timezone.utc)
+                else:
+                    asked.pop(job_id, None)
+        with self._lock:
+            self.asked = asked | self.asked
+            self._resumed = True
 
     def reason(self, job_id: str, why: str) -> str:
         """A waiting job's `state_reason`, with when the autoscaler was asked for its room."""
@@ -69,10 +99,8 @@ class Scaling:
             wanted, now = self.wanted, utcnow()
             arrived = [(job, self.asked.pop(job.id)) for job in started if job.id in self.asked]
             new = [job_id for job_id in wanted.jobs if job_id not in self.asked]
-            if self.sent is None and not wanted.bundles:
-                changed = False  # nothing asked before, nothing to ask now
-            else:
-                changed = self.sent is None or self.sent.key() != wanted.key()
+            # The first pass sends whatever it finds, nothing included: Ray may hold an earlier dispatcher's request.
+            changed = self.sent is None or self.sent.key() != wanted.key()
             if changed:
                 try:
                     self.ray.request_resources(wanted.bundles)  # type: ignore[attr-defined]  # the Ray backend's; scaling runs only with it

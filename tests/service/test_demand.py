@@ -222,6 +222,50 @@ def test_a_dispatcher_asks_for_the_waiting_gang_and_withdraws_once_nothing_waits
     assert backend.requested == []
 
 
+def test_a_restarted_dispatcher_keeps_the_first_ask_and_replaces_a_request_left_standing(
+    db: Engine, tmp_path: Path
+) -> None:
+    """A dispatcher that starts reads each waiting job's ask time back from its `scale_requested` event: no second
+    event, and the scale-up timeout counts from the first ask, not from the restart. Its first pass sends its request
+    whatever it is: with nothing waiting, an empty one replaces what an earlier dispatcher left standing in Ray."""
+    from service.lifecycle.jobs import cancel
+    from service.store.models import Job, JobEvent, JobState
+    from service.tenancy.auth import Caller
+
+    settings = _settings(tmp_path, scale_up_timeout_seconds=600)
+    disp, _ = _dispatcher(db, settings, 0.0, tmp_path)
+    job = _submit(db, settings, "alice", 2, at=NOW)
+    _pass(disp, 0.0)
+    first = disp.scaling.asked[job]
+    again, backend = _dispatcher(db, settings, 0.0, tmp_path)  # a restart
+    _pass(again, 0.0)
+    assert again.scaling.asked[job] == first
+    assert backend.requested == [CPU1, CPU1]  # its own request: the same gang
+    with Session(db) as session:
+        assert len(session.exec(select(JobEvent).where(JobEvent.reason == "scale_requested")).all()) == 1
+    # The timeout counts from the first ask: a dispatcher started 601 s after it gives up at its first pass.
+    with Session(db) as session:
+        said = session.exec(select(JobEvent).where(JobEvent.reason == "scale_requested")).one()
+        said.at -= timedelta(seconds=601)
+        session.add(said)
+        session.commit()
+    late, _ = _dispatcher(db, settings, 0.0, tmp_path)
+    _pass(late, 0.0)
+    with Session(db) as session:
+        row = session.get(Job, job)
+        assert row is not None and row.state == JobState.FAILED and "within 600 s" in (row.last_error or "")
+    # Nothing waits now; a request an earlier dispatcher sent is still in Ray: the next one to start replaces it.
+    other = _submit(db, settings, "bob", 2, at=NOW)
+    _pass(late, 0.0)
+    with Session(db) as session:
+        cancel(session, other, caller=Caller(owner="bob"))
+        session.commit()
+    fresh, backend = _dispatcher(db, settings, 0.0, tmp_path)
+    backend.requested = [CPU1, CPU1]  # what Ray still holds
+    _pass(fresh, 0.0)
+    assert backend.requested == []
+
+
 def test_fair_share_decides_whose_gang_is_asked_for_first(db: Engine, tmp_path: Path) -> None:
     """alice has used the cluster; bob has not: bob's gang is asked for first, though alice queued first."""
     from service.store.models import Attempt, Job, utcnow
