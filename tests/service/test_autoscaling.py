@@ -2,8 +2,10 @@
 
 A head with no CPUs runs Ray's real autoscaler (v1 monitor) with Ray's fake node provider (tests/autoscaling.py): two
 node types, `cpu1` (1 CPU, up to 2) and `t4` (1 CPU and the resource `accelerator_type:T4`, up to 1). A real
-`shunter serve` runs against it with nothing but `SHUNTER_CLUSTER_MAY_GROW=true` and `SHUNTER_NODE_TYPES` set, and
-real jobs train a tiny MLP on it (gloo, CPU). One test, one Ray start-up: the scenarios share the cluster.
+`shunter serve` runs against it with `SHUNTER_CLUSTER_MAY_GROW=true` and `SHUNTER_NODE_TYPES` set, and real jobs train
+a tiny MLP on it (gloo, CPU). Two owners need API tokens (without them every caller is one anonymous admin), and
+`SHUNTER_SCALE_MAX_PENDING_JOBS=1` makes the request hold one waiting gang at a time, so its order shows. One test,
+one Ray start-up: the scenarios share the cluster.
 
 The demand itself (what is asked, in which order, fair share first) is table-tested in tests/service/test_demand.py.
 """
@@ -17,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from api.client import Client
 from tests.autoscaling import autoscaling_head
 from tests.conftest import wait_for
 from tests.external_ray import serve_against
@@ -24,6 +27,7 @@ from tests.service.test_e2e_serve import mlp_spec
 
 pytestmark = pytest.mark.slow
 
+TOKENS = {"tok-alice": {"owner": "alice"}, "tok-bob": {"owner": "bob"}, "tok-admin": {"owner": "ops", "admin": True}}
 NODE_TYPES = {
     "cpu1": {"resources": {"CPU": 1}, "max": 2},
     "t4": {"resources": {"CPU": 1, "accelerator_type:T4": 1}, "max": 1},
@@ -46,13 +50,19 @@ def typed_nodes(dashboard_url: str, submission_id: str) -> list[dict[str, float]
     return [dict(nodes[i].resources_total) for i in ids if i in nodes]
 
 
+def http_events(http: httpx.Client, job_id: str) -> list[dict]:
+    r = http.get(f"/v1/jobs/{job_id}/events")
+    r.raise_for_status()
+    return list(r.json())
+
+
 def test_the_queue_grows_the_cluster_places_typed_work_and_lets_idle_nodes_go(tmp_path: Path) -> None:
     with autoscaling_head(NODE_TYPES) as head:
-        svc = serve_against(head, tmp_path, SHUNTER_CLUSTER_MAY_GROW="true",
-                            SHUNTER_NODE_TYPES=json.dumps(NODE_TYPES))  # fmt: skip
+        svc = serve_against(head, tmp_path, SHUNTER_CLUSTER_MAY_GROW="true", SHUNTER_NODE_TYPES=json.dumps(NODE_TYPES),
+                            SHUNTER_API_TOKENS=json.dumps(TOKENS), SHUNTER_SCALE_MAX_PENDING_JOBS="1")  # fmt: skip
         try:
-            c = svc.client()
-            http = httpx.Client(base_url=svc.url, timeout=30)
+            c, bob = Client(svc.url, token="tok-alice"), Client(svc.url, token="tok-bob")
+            http = httpx.Client(base_url=svc.url, timeout=30, headers={"Authorization": "Bearer tok-admin"})
             assert worker_nodes(http.get("/v1/cluster").json()) == []  # the head alone: no room for any worker
             # No node type could hold it: refused at submission, naming the field.
             refused = http.post("/v1/jobs", json=mlp_spec() | {"resources": {"num_workers": 2, "accelerator_type":
@@ -61,16 +71,16 @@ def test_the_queue_grows_the_cluster_places_typed_work_and_lets_idle_nodes_go(tm
             typed = c.submit(
                 mlp_spec(total_steps=8) | {"name": "on-t4", "resources": {"num_workers": 1, "accelerator_type": "T4"}}
             )
-            plain = c.submit(mlp_spec(total_steps=8) | {"name": "plain"})  # 2 workers of 1 CPU
+            plain = bob.submit(mlp_spec(total_steps=8) | {"name": "plain"})  # 2 workers of 1 CPU: bob uses more
             asked = wait_for(lambda: http.get("/v1/cluster").json().get("scale_request"), timeout=60,
                              what="the dispatcher's request to the autoscaler")  # fmt: skip
             assert asked["jobs"] >= 1 and asked["bundles"], asked
-            waiting = c.get(plain.id)
+            waiting = c.get(typed.id)  # the first in the order: the one gang the request holds
             assert waiting.state != "QUEUED" or "asked the autoscaler" in (waiting.state_reason or "")
-            for job in (typed, plain):
-                done = c.wait(job.id, timeout=300)
+            for client, job in ((c, typed), (bob, plain)):
+                done = client.wait(job.id, timeout=300)
                 assert done.state == "SUCCEEDED", (done.state, done.last_error, svc.log_path.read_text()[-3000:])
-                reasons = [e.reason for e in c.events(job.id) if e.kind == "scale"]
+                reasons = [e["reason"] for e in http_events(http, job.id) if e["kind"] == "scale"]
                 assert reasons == ["scale_requested", "capacity_arrived"], reasons
             # The typed job's worker ran on the node type that carries accelerator_type:T4 (asked of Ray's state
             # API, which keeps ended actors and released nodes).
@@ -85,5 +95,21 @@ def test_the_queue_grows_the_cluster_places_typed_work_and_lets_idle_nodes_go(tm
             wait_for(lambda: worker_nodes(http.get("/v1/cluster").json()) == [], timeout=120,
                      what="the autoscaler to release the idle nodes")  # fmt: skip
             print(f"idle nodes released {time.monotonic() - started:.0f} s after the request was withdrawn")
+            # Fair share decides whose gang is asked for first: bob's job is queued first, but bob used more than
+            # alice did (2 workers to her 1), so the one gang the request holds is alice's; bob's comes after it.
+            used = {r["owner"]: r["cpu_hours"] for r in http.get("/v1/usage").json()["rows"]}
+            assert used["bob"] > used["alice"] > 0, used  # the premise, as the service counts it
+            bob_next = bob.submit(mlp_spec(total_steps=8) | {"name": "bob-next"})
+            alice_next = c.submit(mlp_spec(total_steps=8) | {"name": "alice-next"})
+
+            def asked_for(job_id: str) -> list[int]:
+                return [e["id"] for e in http_events(http, job_id) if e["reason"] == "scale_requested"]
+
+            first = wait_for(lambda: asked_for(alice_next.id) or asked_for(bob_next.id), timeout=60,
+                             what="a scale request for one of the two gangs")  # fmt: skip
+            assert first == asked_for(alice_next.id), "bob's gang was asked for first, against fair share"
+            assert all(later > first[0] for later in asked_for(bob_next.id))
+            c.cancel(alice_next.id)
+            bob.cancel(bob_next.id)
         finally:
             svc.stop()
