@@ -154,17 +154,18 @@ def config_check(
 
     from pydantic import ValidationError
 
+    from service.config import policies
     from service.config.settings import Settings
 
     os.environ["SHUNTER_CONFIG"] = str(file)
     try:
         settings = Settings()
+        policies.check(settings)  # the rules the values configure, as a process builds them when it starts
     except ValidationError as exc:
         for e in exc.errors():
             err.print(f"[red]{'.'.join(str(p) for p in e['loc'])}[/red]: {e['msg']}", soft_wrap=True)
         raise typer.Exit(1) from exc
-    except (ValueError, OSError) as exc:  # an unknown key, not a file, not YAML
+    except (ValueError, OSError) as exc:  # an unknown key, not a file, not YAML, a policy's mistake
         err.print(f"[red]{escape(str(exc))}[/red]", soft_wrap=True)  # one line each, whatever the terminal's width
         raise typer.Exit(1) from exc
-    settings.quota_rules(), settings.fair_share_config(), settings.exclusion_rules()  # what admission builds from them
     console.print(f"{file}: ok ({len(settings.model_fields_set)} settings set here or in the environment)")

@@ -35,6 +35,7 @@ from typing import Any
 from sqlalchemy import func
 from sqlmodel import Session, col, select
 
+from service.config import policies
 from service.config.settings import Settings
 from service.dispatch.admission import candidate
 from service.lifecycle import queues
@@ -192,7 +193,7 @@ def _spec(job: Job) -> JobSpec | None:
 
 
 def _compute(session: Session, settings: Settings, now: datetime) -> dict[str, Standing]:
-    fair = settings.fair_share_config()
+    fair = policies.fair_share(settings)
     # A job waiting on its dependencies (service.workflows.dependencies) has no place in admission order yet.
     queued = session.exec(select(Job).where(Job.state == JobState.QUEUED, Job.waiting_on == 0)).all()
     specs = {job.id: _spec(job) for job in queued}
@@ -208,7 +209,7 @@ def _compute(session: Session, settings: Settings, now: datetime) -> dict[str, S
         job, spec = by_id[cand.job_id], specs[cand.job_id]
         not_before = job.not_before.timestamp() if job.not_before else 0.0
         waiters.append(forecast.Waiter(cand, _duration(spec, ratio(job.owner)), not_before))
-    limits, rules = queues.limits(session, settings), settings.quota_rules()
+    limits, rules = queues.limits(session, settings), policies.quota_rules(settings)
     policy = forecast.Policy(
         fair=fair, limits=limits, rules=rules, gpu_hours=standing.gpu_hours(session, rules, limits, now),
         reserve_after_seconds=settings.reserve_after_seconds, grace_seconds=settings.preemption_grace_seconds,

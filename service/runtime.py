@@ -12,6 +12,7 @@ from sqlalchemy.engine import Engine
 from service.backends.noop import NoopJobs
 from service.backends.ray_jobs import RayJobs
 from service.backends.ray_local import LocalHead, ensure_local_head, stop_local_head
+from service.config import policies
 from service.config.settings import Settings
 from service.dispatch.dispatcher import Dispatcher
 from service.store import migrate
@@ -55,6 +56,7 @@ class Runtime:
 
     @classmethod
     def open(cls, settings: Settings, *, manage_local_ray: bool = False) -> Runtime:
+        policies.check(settings)  # a mistake in a rule the settings configure stops start-up, naming its key
         engine = make_engine(settings.database_url)
         migrate.upgrade(engine)
         notifications.configure(engine, settings.webhooks)  # cluster-wide targets of the events this process writes

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Path
 from api.deps import CallerDep, SessionDep, SettingsDep
 from api.routes.jobs import to_public
 from api.schemas import ERROR_RESPONSES, ClearedNode, ClusterJob, ClusterPublic, ExcludedNode, NodePublic
+from service.config import policies
 from service.core.errors import Forbidden, NotFound
 from service.lifecycle import jobs, node_faults
 from service.spec.job import JobSpec
@@ -33,7 +34,7 @@ def cluster(session: SessionDep, caller: CallerDep, settings: SettingsDep) -> Cl
                 ray_dashboard_url=public.ray_dashboard_url,
             )
         )
-    everyone, _ = node_faults.excluded(session, [], settings.exclusion_rules())
+    everyone, _ = node_faults.excluded(session, [], policies.exclusion_rules(settings))
     # Which jobs failed on a node: only the caller's own are named to a non-admin (another owner's job ids told
     # anyone what ran where: issue 35); `why` still counts them all.
     named = jobs.visible_ids(session, {j for e in everyone.values() for j in e.jobs}, caller=caller)

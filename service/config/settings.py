@@ -6,7 +6,6 @@ import functools
 import json
 import os
 import socket
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +14,6 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from service.config.tokens import TokenInfo
 from service.core.numbers import StrictModel
-from service.policy.demand import NodeType
-from service.policy.exclusion import Rules
-from service.policy.fairshare import FairShare
-from service.policy.quotas import Quotas, parse_queue_limit
-from service.policy.stall import StallPolicy
 from service.spec.job import MAX_SPEC_DEPTH, QUEUE_NAME
 from service.spec.notify import ClusterWebhook
 
@@ -272,34 +266,7 @@ class Settings(BaseSettings):
         for name in value:
             if not QUEUE_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not a queue name (lowercase letters, digits, '_' or '-')")
-            parse_queue_limit(value[name], f"queues.{name}")
-        return value
-
-    @field_validator("quotas")
-    @classmethod
-    def _quotas(cls, value: dict[str, Any]) -> dict[str, Any]:
-        Quotas.parse(value)  # a mistake stops start-up with the key named, not admission later
-        return value
-
-    @field_validator("fair_share")
-    @classmethod
-    def _fair_share(cls, value: dict[str, Any]) -> dict[str, Any]:
-        FairShare.parse(value)
-        return value
-
-    def quota_rules(self) -> Quotas:
-        return Quotas.parse(self.quotas)
-
-    def exclusion_rules(self) -> Rules:
-        owners = self.node_exclusion_owners or (2 if self.api_tokens else 1)
-        return Rules(repeats=self.node_exclusion_repeats, jobs=self.node_exclusion_jobs, owners=owners,
-                     cooldown=timedelta(seconds=self.node_exclusion_cooldown_seconds))  # fmt: skip
-
-    def fair_share_config(self) -> FairShare:
-        return FairShare.parse(self.fair_share)
-
-    def node_type_list(self) -> list[NodeType]:
-        return [NodeType(name, dict(t.resources), t.max) for name, t in sorted(self.node_types.items())]
+        return value  # each queue's limits are checked with the other policies (service.config.policies.check)
 
     @field_validator("webhook_secret", mode="before")
     @classmethod
@@ -312,9 +279,6 @@ class Settings(BaseSettings):
         if any(t.secret is None for t in value) and not info.data.get("webhook_secret"):
             raise ValueError("a target without its own secret needs SHUNTER_WEBHOOK_SECRET to sign with")
         return value
-
-    def stall_policy(self) -> StallPolicy:
-        return StallPolicy(detect=self.stall_detection, min_seconds=self.stall_min_seconds, factor=self.stall_factor)
 
     def resolved_dispatcher_id(self, *, stable: bool = False) -> str:
         if self.dispatcher_id:

@@ -15,6 +15,7 @@ from sqlalchemy import insert, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from service.config import policies
 from service.config.settings import Settings
 from service.core import resources
 from service.core.backend import ClusterView, submission_id
@@ -63,7 +64,7 @@ def admit(
     with session_scope(engine) as session, session.no_autoflush:
         leases.lock_admission(session)
         waiting: list[tuple[Job, JobSpec]] = []
-        fair = settings.fair_share_config()
+        fair = policies.fair_share(settings)
         heads = leases.queued_heads if fair.enabled else leases.queued
         # Sweep members over their sweep's max_parallel are left out of the read (they hold up nobody behind them).
         for job in heads(session, now=now, limit=settings.admit_batch, where=held_back(session, now=now)):
@@ -77,7 +78,7 @@ def admit(
         if not waiting and not _may_grow(session, settings, spec_of):
             return [], []
         everyone, per_job = node_faults.excluded(
-            session, [j.id for j, _ in waiting], settings.exclusion_rules(), now=now
+            session, [j.id for j, _ in waiting], policies.exclusion_rules(settings), now=now
         )
         nodes = [scheduler.NodeFree(n.node_id, dict(n.available)) for n in cluster.nodes
                  if n.alive and n.node_id not in everyone]  # fmt: skip
@@ -93,7 +94,7 @@ def admit(
                                cluster) for job, spec in waiting]  # fmt: skip
         kept = {c.job_id: sorted(c.excluded | set(everyone)) for c in candidates}
         kept_why = {c.job_id: {n: per_job[c.job_id][n] for n in c.excluded} for c in candidates if c.excluded}
-        limits, rules = queues.limits(session, settings), settings.quota_rules()
+        limits, rules = queues.limits(session, settings), policies.quota_rules(settings)
         held = standing.held(admitted, resources_of)
         running = [
             scheduler.Running(j.id, j.priority, j.created_at.timestamp(), resources_of(j),

@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 from sqlalchemy.engine import Engine
 from sqlmodel import col, select
 
+from service.config import policies
 from service.config.settings import Settings
 from service.core.backend import Backend
 from service.core.errors import InfraError, StaleWrite
@@ -54,7 +55,7 @@ class Scaling:
         if not self._resumed:
             self._resume()
         self.wanted = demand(ordered, waiting, running, max_jobs=self.settings.scale_max_pending_jobs,
-                             node_types=self.settings.node_type_list())  # fmt: skip
+                             node_types=policies.node_types(self.settings))  # fmt: skip
 
     def _resume(self) -> None:
         """The ask times of the queued jobs still waiting for room, from their events: each job's latest

@@ -18,6 +18,7 @@ from sqlalchemy import update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
+from service.config import policies
 from service.config.settings import Settings
 from service.core.backend import Backend, log_tail
 from service.core.errors import InfraError
@@ -95,7 +96,7 @@ class StallWatch:
             seen.append(at)
 
     def _timeout(self, job: Job, spec: JobSpec, progress_at: datetime) -> tuple[float, str] | None:
-        policy = self.settings.stall_policy()
+        policy = policies.stall_policy(self.settings)
         if spec.stall_timeout_seconds is not None or not policy.detect:
             return stall_timeout(spec.stall_timeout_seconds, (), policy)
         if (utcnow() - progress_at).total_seconds() < policy.min_seconds:

@@ -12,6 +12,7 @@ from sqlalchemy import select as sa_select
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
+from service.config import policies
 from service.config.settings import Settings
 from service.core import resources
 from service.core.errors import Conflict, InvalidSpec, NotFound, StaleWrite
@@ -160,7 +161,7 @@ def submit(
             raise
         reason, held = f"held until the cluster grows: {exc.detail}", True
     if settings and settings.cluster_may_grow and settings.node_types and (held or not _seen(shape)):
-        demand.check_node_types(spec.resources, settings.node_type_list())  # never holdable: refused, seen or not
+        demand.check_node_types(spec.resources, policies.node_types(settings))  # never holdable: refused, seen or not
     size = stored_size(dumped)
     if settings is not None:  # what the spec asks is valid (422s first); now what it would hold and use
         code_archives.use_named(session, spec, settings, owner=caller.owner)

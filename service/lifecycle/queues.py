@@ -9,6 +9,7 @@ from typing import Any
 from sqlalchemy import func
 from sqlmodel import Session, col, select
 
+from service.config import policies
 from service.config.settings import Settings
 from service.core.errors import InvalidSpec
 from service.policy import fairshare
@@ -112,7 +113,7 @@ def overview(session: Session, settings: Settings) -> list[QueueView]:
     ).all()  # fmt: skip
     for queue, owner, team, n in rows:
         queued[(queue, owner, team)] = n
-    fair = settings.fair_share_config()
+    fair = policies.fair_share(settings)
     # Owners who ran in a queue within fair share's horizon are listed with it too (their usage still counts).
     teams = standing.recent_owners(session, fair, utcnow())
     teams |= {(j.queue, j.owner): j.team for j in active} | {(q, o): t for q, o, t in queued}

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from service.backends.ray_local import free_port
+from service.config import policies
 from service.config.settings import Settings
 from tests.conftest import wait_for
 
@@ -40,7 +41,7 @@ def test_the_file_is_read_below_the_environment(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv("SHUNTER_PORT", "9100")
     settings = Settings()
     assert settings.queues == {"research": {"max_running": 2, "accelerator_types": ["A100"]}}
-    assert settings.fair_share_config().owner_weight("alice") == 2 and settings.quota_rules() is not None
+    assert policies.fair_share(settings).owner_weight("alice") == 2 and policies.quota_rules(settings) is not None
     assert settings.port == 9100  # the environment wins
     assert Settings(port=9200).port == 9200  # and arguments over both
 

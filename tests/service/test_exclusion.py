@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
+from service.config import policies
 from service.policy.exclusion import Fault, Rules, for_everyone, for_job, named_nodes
 
 NOW = datetime(2026, 12, 2, 9, 0, tzinfo=timezone.utc)
@@ -172,7 +173,9 @@ def test_several_jobs_failing_on_a_node_keep_it_out_of_everyones_admissions_unti
     for job_id in ("k0", "k1"):
         _fail_attempt(db, job_id, f"rank 0 on node_id='{A}' (10.0.0.2): hung")
     with Session(db) as session:
-        everyone, _ = node_faults.excluded(session, [], settings.exclusion_rules(), now=NOW + timedelta(seconds=1))
+        everyone, _ = node_faults.excluded(
+            session, [], policies.exclusion_rules(settings), now=NOW + timedelta(seconds=1)
+        )
         assert list(everyone) == [A] and everyone[A].jobs == ("k0", "k1")
     assert _admit(db, settings, [(A, 3)], NOW + timedelta(seconds=1))[0] == []  # out for everyone
     with Session(db) as session:
@@ -188,7 +191,7 @@ def test_one_owners_jobs_alone_cannot_keep_a_node_from_everyone_when_tokens_are_
 
     tokens = {"t-m": {"owner": "mallory"}, "t-a": {"owner": "alice"}}
     settings = Settings(api_tokens=tokens)
-    assert settings.exclusion_rules().owners == 2 and Settings().exclusion_rules().owners == 1
+    assert policies.exclusion_rules(settings).owners == 2 and policies.exclusion_rules(Settings()).owners == 1
     with Session(db) as session:
         for i, owner in enumerate(["mallory"] * 4 + ["alice"]):
             session.add(Job(id=f"m{i}", name="m", owner=owner, spec={"entrypoint": {"callable": "a:b"}},
@@ -199,9 +202,9 @@ def test_one_owners_jobs_alone_cannot_keep_a_node_from_everyone_when_tokens_are_
         _fail_attempt(db, job_id, f"rank 0 on node_id='{A}' (10.0.0.2): sent 1002")
     later = NOW + timedelta(seconds=1)
     with Session(db) as session:
-        everyone, per_job = node_faults.excluded(session, ["m0"], settings.exclusion_rules(), now=later)
+        everyone, per_job = node_faults.excluded(session, ["m0"], policies.exclusion_rules(settings), now=later)
     assert everyone == {} and per_job == {"m0": {A: "failed the pre-flight check"}}  # only mallory's own retries
     _fail_attempt(db, "m4", f"rank 0 on node_id='{A}' (10.0.0.2): sent 1002")  # a second owner's job fails there too
     with Session(db) as session:
-        everyone, _ = node_faults.excluded(session, [], settings.exclusion_rules(), now=later)
+        everyone, _ = node_faults.excluded(session, [], policies.exclusion_rules(settings), now=later)
     assert list(everyone) == [A] and everyone[A].jobs == ("m0", "m1", "m2", "m3", "m4")

@@ -250,6 +250,17 @@ def test_job_events_have_one_writer() -> None:
     assert writers == ["service/lifecycle/state.py"]
 
 
+def test_settings_parse_and_build_no_policy() -> None:
+    """`service/config/settings.py` is a leaf (issue 36, item 5): it imports nothing of shunter's but the vocabulary
+    (`core`), the spec's parse models and the token grants; the rules it configures are built by
+    `service.config.policies`, where a process is wired."""
+    tree = ast.parse((ROOT / "service" / "config" / "settings.py").read_text())
+    ours = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+            and node.module.split(".")[0] in {"service", "api", "workers"}}  # fmt: skip
+    allowed = ("service.core.", "service.spec.", "service.config.tokens")
+    assert ours and all(m.startswith(allowed) for m in ours), sorted(ours)
+
+
 def test_the_admission_sequence_is_written_once() -> None:
     """Plan, reclaim, preemption and growth are called in one place, `service.policy.admission_pass`, which the
     dispatcher's admission and the start forecast both run (issue 36): a copy cannot drift from the real pass."""
