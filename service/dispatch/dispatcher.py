@@ -1,9 +1,14 @@
 """The dispatcher loop: the only code that acts on Ray.
 
-Each tick: renew leases (and adopt jobs whose dispatcher died), read the cluster's resources, reconcile every job it
-holds, then admit queued jobs whose whole worker group fits. What to do with a job is decided by the pure
-`service.policy.reconcile.decide` (and admission by `service.policy.scheduler`); this module gathers the facts and
-carries out the actions. Database writes are short transactions; Ray calls happen between them, never inside one.
+Each tick runs its named steps in order (`Dispatcher.steps`): renew leases (and adopt jobs whose dispatcher died),
+read the cluster's resources, reconcile every job it holds (stall watch among the facts) and write the ends Ray
+reported together, admit queued jobs whose whole worker group fits, keep the logs of attempts that ended on their
+driver's word, and cluster-wide chores. What to do with a job is decided by the pure
+`service.policy.reconcile.decide` (and admission by `service.policy.admission_pass`); this module gathers the facts
+and carries out the actions through its parts, each given its collaborators: `ClusterReads`, `Finishing` (ends and
+submissions recorded, with the injected retry policy), `HostEffects`, `JobFaults`, `LateLogs`, `StallWatch`,
+`Scaling`, `Chores`. The admission pass is injected too (`admit`). Database writes are short transactions; Ray
+calls happen between them, never inside one.
 
 One job's fault stays that job's: input of its own that cannot be used (a spec that no longer validates, a resume
 id that names nothing) ends it as a user error; a fault of shunter's host while handling it (keeping its log,
@@ -16,22 +21,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlmodel import Session, col, select
 
 from service.config.settings import Settings
-from service.core.backend import Backend, ClusterView, checked, submission_id
-from service.core.errors import InfraError, InvalidSpec, StaleWrite
+from service.core.backend import Backend, ClusterView
+from service.core.errors import InfraError, InvalidSpec
 from service.dispatch import admission, submission
 from service.dispatch.chores import Chores
+from service.dispatch.cluster_reads import ClusterReads
 from service.dispatch.finishing import Ending, Finishing, batched_finish
 from service.dispatch.host_effects import HostEffects
 from service.dispatch.host_files import HostFiles
+from service.dispatch.job_faults import JobFaults
 from service.dispatch.late_logs import LateLogs
 from service.dispatch.nodes import NodeHistory
 from service.dispatch.scaling import Scaling
@@ -39,6 +47,7 @@ from service.dispatch.stall_watch import StallWatch
 from service.dispatch.timings import DISPATCHER_TICK_SECONDS
 from service.lifecycle import leases
 from service.lifecycle.state import transition
+from service.policy import retry
 from service.policy.reconcile import (
     Action,
     AttemptFacts,
@@ -54,20 +63,30 @@ from service.policy.reconcile import (
 )
 from service.spec.job import JobSpec
 from service.store import signals
-from service.store.db import JOB_DATA_ERRORS, session_scope
-from service.store.models import Attempt, Checkpoint, ClusterSnapshot, EndReason, Job, JobState, utcnow
+from service.store.db import session_scope
+from service.store.models import Attempt, Checkpoint, EndReason, Job, JobState, utcnow
 from service.store.spec_cache import SpecCache, stored_size
 from service.tenancy.secret_store import masker_for
 
 log = logging.getLogger(__name__)
 STOP_RESEND_SECONDS = 5.0
-LEASE_PASSES, SNAPSHOT_REFRESH_SECONDS = 5, 5.0  # lease renewals per lease; an unchanged snapshot stored this often
+LEASE_PASSES = 5  # lease renewals per lease
 
 
-class Dispatcher(Finishing, HostEffects):
+@dataclass
+class TickState:
+    """What one tick's steps hand on: when it began, and the cluster as read (None: Ray could not be read)."""
+
+    now: datetime
+    cluster: ClusterView | None = None
+
+
+class Dispatcher:
     def __init__(
-        self, *, engine: Engine, settings: Settings, ray: Backend, owner: str, files: HostFiles | None = None
-    ) -> None:
+        self, *, engine: Engine, settings: Settings, ray: Backend, owner: str, files: HostFiles | None = None,
+        retry_policy: Callable[..., retry.RetryDecision] = retry.decide,
+        admit: Callable[..., tuple[list[Job], list[Job]]] = admission.admit,
+    ) -> None:  # fmt: skip
         self.engine = engine
         self.settings = settings
         self.ray = ray
@@ -80,20 +99,29 @@ class Dispatcher(Finishing, HostEffects):
         self._warm = False  # the backend's client made ahead of the first submission (after the first tick)
         self._stop_sent: dict[str, float] = {}
         self._specs: SpecCache[tuple[JobSpec | None, str | None]] = SpecCache()
-        self._faults: dict[str, float] = {}  # job id -> when its reconcile first failed unexpectedly (monotonic)
+        self.faults = JobFaults(engine=engine, settings=settings, ray=ray, owner=owner)  # one job's, kept its own
         self._pool = ThreadPoolExecutor(max_workers=settings.dispatcher_threads, thread_name_prefix="reconcile")
         self.last_tick_seconds = 0.0
         self.chores = Chores(engine=engine, settings=settings, ray=ray)  # cluster-wide housekeeping, now and then
         self.scaling = Scaling(engine=engine, settings=settings, ray=ray, owner=owner)  # asks a growing cluster
-        self._dead_nodes: dict[str, bool] = {}  # from the last cluster read (service.policy.reconcile.decide)
         self._next_lease_pass: datetime | None = None  # when the leases are next renewed (`tick`)
         self._may_hold = True  # False once a read found it holds no lease, until it gains one (`tick`)
-        self._stored: tuple[object, float] | None = None  # the last snapshot stored, and when (monotonic)
         self.nodes = NodeHistory()  # which nodes went draining or dead, and when (bears out node_draining ends)
+        self.cluster_reads = ClusterReads(engine=engine, ray=ray, nodes=self.nodes, scaling=self.scaling)
         self.late = LateLogs(engine=engine, ray=ray, files=self.files, owner=owner,
                              linger_seconds=settings.driver_linger_seconds,
                              mask=lambda job_id: masker_for(engine, settings, job_id))  # fmt: skip
         self.waker: signals.Waker | None = None  # signals between ticks, while `run` runs (service.store.signals)
+        self.host = HostEffects(engine=engine, settings=settings, ray=ray, files=self.files, owner=owner,
+                                spec_of=self.spec_of)  # fmt: skip
+        self.finishing = Finishing(engine=engine, settings=settings, owner=owner, nodes=self.nodes, late=self.late,
+                                   host=self.host, spec_of=self.spec_of, safely=self._safely,
+                                   stop_sent=self._stop_sent, retry_policy=retry_policy)  # fmt: skip
+        self._admit = admit
+        self.steps: list[tuple[str, Callable[[TickState], None]]] = [
+            ("leases", self._leases), ("cluster", self._read), ("reconcile", self._reconcile_held_jobs),
+            ("admit", self._admission), ("late logs", self._late_logs), ("chores", self._chores),
+        ]  # fmt: skip
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -133,20 +161,30 @@ class Dispatcher(Finishing, HostEffects):
 
     def tick(self) -> None:
         started = time.monotonic()
-        now = utcnow()
-        if self._next_lease_pass is None or now >= self._next_lease_pass:
+        state = TickState(now=utcnow())
+        for _, step in self.steps:
+            step(state)
+        self.last_tick_seconds = time.monotonic() - started
+        DISPATCHER_TICK_SECONDS.observe(self.last_tick_seconds)
+
+    def _leases(self, state: TickState) -> None:
+        if self._next_lease_pass is None or state.now >= self._next_lease_pass:
             # Five times a lease, not every tick (a write transaction each: most of an idle service's CPU at 0.25 s),
             # by the clock leases expire by (a simulation's virtual one jumps).
-            self._next_lease_pass = now + timedelta(seconds=self.settings.lease_seconds / LEASE_PASSES)
+            self._next_lease_pass = state.now + timedelta(seconds=self.settings.lease_seconds / LEASE_PASSES)
             with session_scope(self.engine) as session:
-                leases.heartbeat(session, owner=self.owner, now=now, seconds=self.settings.lease_seconds)
-                if leases.take_over(session, owner=self.owner, now=now, seconds=self.settings.lease_seconds,
+                leases.heartbeat(session, owner=self.owner, now=state.now, seconds=self.settings.lease_seconds)
+                if leases.take_over(session, owner=self.owner, now=state.now, seconds=self.settings.lease_seconds,
                                     include_own=not self._started):  # fmt: skip
                     self._may_hold = True
         if not self._started:
-            self.late.pick_up(now)
+            self.late.pick_up(state.now)
         self._started = True
-        cluster = self.read_cluster()  # None when Ray cannot be read: what we hold is reconciled all the same
+
+    def _read(self, state: TickState) -> None:
+        state.cluster = self.read_cluster()  # None when Ray cannot be read: what we hold is reconciled all the same
+
+    def _reconcile_held_jobs(self, state: TickState) -> None:
         mine: list[tuple[Job, Attempt | None]] = []
         if self._may_hold:  # a job is gained only by admitting or adopting it: holding none, no read is needed
             with Session(self.engine, expire_on_commit=False) as session:
@@ -155,11 +193,17 @@ class Dispatcher(Finishing, HostEffects):
         # Reconciling is mostly waiting (Ray's HTTP API, the database): overlap it across the jobs held. The attempts
         # Ray says ended are written together after (service.dispatch.finishing).
         ends = self._pool.map(lambda held: self._safely(held[0], self._reconcile_held, *held), mine)
-        self.finish_many([e for e in ends if e is not None])
-        if cluster is not None:
-            self.admit(cluster)
+        self.finishing.finish_many([e for e in ends if e is not None])
+
+    def _admission(self, state: TickState) -> None:
+        if state.cluster is not None:
+            self.admit(state.cluster)
+
+    def _late_logs(self, state: TickState) -> None:
         self.late.step(self._pool.map)  # logs of attempts ended on their driver's word, once Ray's job has exited
-        if cluster is not None:
+
+    def _chores(self, state: TickState) -> None:
+        if state.cluster is not None:
             self.chores.sweep_placement_groups()
         self.chores.expire_code_archives()
         if not self._warm:
@@ -170,8 +214,6 @@ class Dispatcher(Finishing, HostEffects):
             warm = getattr(self.ray, "warm", None)
             if warm is not None:
                 warm()
-        self.last_tick_seconds = time.monotonic() - started
-        DISPATCHER_TICK_SECONDS.observe(self.last_tick_seconds)
 
     # ---- facts about one job --------------------------------------------------------------------------------
     def spec_of(self, job: Job) -> tuple[JobSpec | None, str | None]:
@@ -194,58 +236,26 @@ class Dispatcher(Finishing, HostEffects):
 
     # ---- cluster view ---------------------------------------------------------------------------------------
     def read_cluster(self, *, store: bool = True) -> ClusterView | None:
-        """Ray's per-node resources, checked for shape, and stored for the API (each tick; `store`); None if Ray cannot
-        be read."""
-        try:
-            cluster = checked(self.ray.cluster())
-        except Exception as exc:  # noqa: BLE001 - unreachable, or an answer of the wrong shape: skip admission
-            log.warning("cannot read Ray cluster resources: %s", exc)
-            return None
-        self._dead_nodes = dict(cluster.dead_nodes)
-        self.nodes.observe(cluster, utcnow())
-        for first in (True, False) if store else ():
-            try:
-                self._store_snapshot(cluster)
-                break
-            except IntegrityError as exc:  # another dispatcher stored the first one meanwhile: now it is an update
-                if not first:
-                    log.warning("cannot store the cluster snapshot: %s", exc)
-            except SQLAlchemyError as exc:
-                log.warning("cannot store the cluster snapshot: %s", exc)
-                break
-        return cluster
-
-    def _store_snapshot(self, cluster: ClusterView) -> None:
-        """Store what was read, when it differs from what this dispatcher stored last or that is
-        SNAPSHOT_REFRESH_SECONDS old (a write transaction at every tick was much of an idle service's CPU)."""
-        nodes = [{"node_id": n.node_id, "address": n.address, "alive": n.alive, "total": n.total,
-                  "available": n.available} for n in cluster.nodes]  # fmt: skip
-        seen = (self.ray.dashboard_url, nodes, cluster.total, cluster.available, self.scaling.view())
-        if self._stored is not None and self._stored[0] == seen and time.monotonic() < self._stored[1]:
-            return
-        with session_scope(self.engine) as session:
-            snap = session.get(ClusterSnapshot, 1) or ClusterSnapshot(id=1)
-            snap.dashboard_url, snap.nodes, snap.total, snap.available, snap.scale_request = seen
-            snap.taken_at = utcnow()
-            session.add(snap)
-        self._stored = (seen, time.monotonic() + SNAPSHOT_REFRESH_SECONDS)
+        """Ray's per-node resources, checked and stored for the API (`service.dispatch.cluster_reads`)."""
+        return self.cluster_reads.read(store=store)
 
     # ---- admission ------------------------------------------------------------------------------------------
     def admit(self, cluster: ClusterView) -> list[str]:
         """One admission pass (`admission`); then the preemption notices and the new attempts' submissions."""
         attempts: dict[str, Attempt] = {}
-        started, victims = admission.admit(
+        started, victims = self._admit(
             self.engine, self.settings, cluster, owner=self.owner, spec_of=self.spec_of, resources_of=self.resources_of,
             attempts=attempts, scaling=self.scaling,
         )  # fmt: skip
         self._may_hold = self._may_hold or bool(started)
         self.scaling.send(started)  # the autoscaler's request, when it changed (outside the pass's transaction)
         for victim in victims:
-            self._host_effect(victim, "preemption notice", self._write_notice, victim)
+            self.host.run(victim, "preemption notice", self.host.write_notice, victim)
         # Submit at once rather than on the next tick, overlapped; the accepted submissions recorded in one go.
         news = [(job, attempts[job.id]) for job in started]
         adopted = self._pool.map(lambda new: self._safely(new[0], self._submission, *new), news)
-        self.mark_submitted_many([(j, a, was) for (j, a), was in zip(news, adopted, strict=True) if was is not None])
+        self.finishing.mark_submitted_many([(j, a, was) for (j, a), was in zip(news, adopted, strict=True)
+                                            if was is not None])  # fmt: skip
         return [job.id for job in started]
 
     # ---- reconciliation -------------------------------------------------------------------------------------
@@ -253,34 +263,8 @@ class Dispatcher(Finishing, HostEffects):
         self._safely(job, self.reconcile, job)
 
     def _safely(self, job: Job, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """`fn(*args)` for `job`, its faults kept its own (this module's docstring); None when it failed."""
-        try:
-            out = fn(*args, **kwargs)
-            if not isinstance(out, Ending):  # an end decided, not yet written: its write may be the job's fault
-                self._faults.pop(job.id, None)
-            return out
-        except StaleWrite as exc:
-            log.info("job %s moved on under us: %s", job.id, exc)
-        except (InfraError, SQLAlchemyError) as exc:
-            if isinstance(exc, JOB_DATA_ERRORS):
-                self._job_fault(job, exc)  # the database refuses this job's values, and will on every tick
-            else:  # Ray or the database is away, or its schema is another release's: nobody's job is at fault
-                log.warning("job %s: not reconciled this tick: %s", job.id, exc)
-        except Exception as exc:  # noqa: BLE001 - one job's surprise must not stop the others, nor wedge this one
-            self._job_fault(job, exc)
-        return None
-
-    def _job_fault(self, job: Job, exc: Exception) -> None:
-        """A failure of this job's own: retried each tick, and the job given up on once it has lasted
-        `job_fault_patience_seconds`."""
-        log.exception("job %s: reconcile failed", job.id)
-        first = self._faults.setdefault(job.id, time.monotonic())
-        if time.monotonic() - first >= self.settings.job_fault_patience_seconds:
-            patience = self.settings.job_fault_patience_seconds
-            try:
-                self._abandon(job, f"shunter could not handle this job for {patience:g}s: {type(exc).__name__}: {exc}")
-            except Exception:  # noqa: BLE001 - giving up failed too: try again next tick, never abort the others
-                log.exception("job %s: could not give up on it", job.id)
+        """`fn(*args)` for `job`, its faults kept its own (`service.dispatch.job_faults`); None when it failed."""
+        return self.faults.safely(job, fn, *args, **kwargs)
 
     def reconcile(self, job: Job) -> None:
         """Bring one held job in line with its Ray Job: gather the facts, decide, act."""
@@ -293,12 +277,12 @@ class Dispatcher(Finishing, HostEffects):
             ).first()
         ending = self._reconcile_held(fresh, attempt)
         if ending is not None:
-            self._write_ending(ending)
+            self.finishing.write_ending(ending)
 
     def _reconcile_held(self, fresh: Job, attempt: Attempt | None) -> Ending | None:
         """`reconcile` of a job read with its attempt just now; an attempt to end alone is returned, not written."""
         if attempt is None:
-            self._abandon(fresh, f"attempt {fresh.attempt} has no record")
+            self.faults.abandon(fresh, f"attempt {fresh.attempt} has no record")
             return None
         checkpointed = False
         if fresh.preempt_requested_at is not None:
@@ -318,10 +302,12 @@ class Dispatcher(Finishing, HostEffects):
         attempt_facts = AttemptFacts(attempt.submitted, attempt.started_at, attempt.end_reason,
                                      driver_ended=attempt.driver_ended_at is not None)  # fmt: skip
         info = self.ray.info(attempt.submission_id)
-        actions = decide(facts, attempt_facts, info, now=utcnow(), patience=self.patience, dead_nodes=self._dead_nodes)
+        actions = decide(
+            facts, attempt_facts, info, now=utcnow(), patience=self.patience, dead_nodes=self.cluster_reads.dead_nodes
+        )
         alone = batched_finish(actions)
         if alone is not None:
-            return self.prepare_ending(fresh, attempt, alone)
+            return self.finishing.prepare(fresh, attempt, alone)
         for action in actions:
             self.execute(fresh, attempt, action)
         return None
@@ -330,24 +316,24 @@ class Dispatcher(Finishing, HostEffects):
         if isinstance(action, Submit):
             self._submit(job, attempt)
         elif isinstance(action, MarkSubmitted):
-            self._mark_submitted(job, attempt, adopted=action.adopted)
+            self.finishing.mark_submitted(job, attempt, adopted=action.adopted)
         elif isinstance(action, MarkRunning):
             with session_scope(self.engine) as session:
                 transition(session, job, to=JobState.RUNNING, reason="first_report", lease_token=job.lease_token,
                            actor=self.owner, message=action.message)  # fmt: skip
         elif isinstance(action, Stop):
             if action.record is not None:
-                self._mark_attempt(attempt, action.record, action.message)
+                self.finishing.mark_attempt(attempt, action.record, action.message)
             self._send_stop(attempt.submission_id)
         elif isinstance(action, Finish):
-            self._finish(job, attempt, action)
+            self.finishing.finish(job, attempt, action)
         elif isinstance(action, DumpStacks):
             self.stalls.dump(job, attempt, action)
 
     def _submit(self, job: Job, attempt: Attempt) -> None:
         adopted = self._submission(job, attempt)
         if adopted is not None:
-            self._mark_submitted(job, attempt, adopted=adopted)
+            self.finishing.mark_submitted(job, attempt, adopted=adopted)
 
     def _submission(self, job: Job, attempt: Attempt) -> bool | None:
         """Submit the attempt to Ray: whether an existing one was adopted, or None when Ray did not take it (tried
@@ -363,7 +349,8 @@ class Dispatcher(Finishing, HostEffects):
             from service.tenancy.code_proof import ArchiveTampered
 
             tampered = isinstance(exc, ArchiveTampered)  # a stored archive not its upload's bytes: never run
-            self._finish(job, attempt, Finish(EndReason.STORAGE_TAMPERED if tampered else EndReason.USER_ERROR, detail))
+            self.finishing.finish(job, attempt, Finish(EndReason.STORAGE_TAMPERED if tampered else EndReason.USER_ERROR,
+                                                       detail))  # fmt: skip
             return None
         try:
             submitted_now = self.ray.submit(
@@ -382,19 +369,3 @@ class Dispatcher(Finishing, HostEffects):
         if time.monotonic() - last >= STOP_RESEND_SECONDS:
             self.ray.stop(sub_id)
             self._stop_sent[sub_id] = time.monotonic()
-
-    def _abandon(self, job: Job, message: str) -> None:
-        """The last resort for a job shunter cannot handle: stop what Ray runs of it and end it FAILED (infra)."""
-        with Session(self.engine) as session:
-            fresh = session.get(Job, job.id)
-        if fresh is None or fresh.lease_owner != self.owner or JobState(fresh.state).is_terminal:
-            return
-        try:
-            self.ray.stop(submission_id(fresh.id, fresh.attempt))
-        except InfraError as exc:
-            log.warning("job %s: could not stop its Ray Job while giving up on it: %s", job.id, exc)
-        with session_scope(self.engine) as session:
-            transition(session, fresh, to=JobState.FAILED, reason=EndReason.INFRA.value, lease_token=fresh.lease_token,
-                       actor=self.owner, message=message[-1000:],
-                       values={"end_reason": EndReason.INFRA, "last_error": message[-4000:]})  # fmt: skip
-        self._faults.pop(job.id, None)

@@ -1,5 +1,6 @@
 """The writes that follow Ray's word on an attempt: its submission recorded, its end recorded and the job ended or
-requeued. A mixin of `service.dispatch.dispatcher.Dispatcher`.
+requeued. A part of `service.dispatch.dispatcher.Dispatcher`, given what it uses; the retry policy is injected
+(`retry_policy`, `service.policy.retry.decide` by default), so a test can swap it, as Ray Train's `FailurePolicy` is.
 
 Many jobs end in one tick and many are submitted after one admission pass: those writes go in batches, one
 transaction for all (`finish_many`, `mark_submitted_many`), a few statements each. One job's fault stays its own: a
@@ -10,14 +11,20 @@ batch that fails is written again job by job, each in its own transaction and wi
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import bindparam, func, update
+from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import col
 
+from service.config.settings import Settings
+from service.dispatch.host_effects import HostEffects, SpecOf
+from service.dispatch.late_logs import LateLogs
+from service.dispatch.nodes import NodeHistory
 from service.lifecycle import reports
 from service.lifecycle.state import Move, end_reason_state, record_event, record_events, transition, transition_many
 from service.policy import end_reasons, retry
@@ -27,6 +34,7 @@ from service.store.db import session_scope
 from service.store.models import Attempt, EndReason, EventKind, Job, JobState, utcnow
 
 log = logging.getLogger(__name__)
+Safely = Callable[..., Any]  # the Dispatcher's fault handling: `safely(job, fn, *args)` -> fn's result, or None
 
 
 @dataclass
@@ -68,24 +76,17 @@ def _attempt_end(table: Any) -> Any:
 
 
 class Finishing:
-    engine: Any
-    settings: Any
-    owner: str
-    nodes: Any
-    late: Any
-    _stop_sent: dict[str, float]
-    _host_effect: Any
-    _keep_log: Any
-    _clear_notice: Any
-
-    def spec_of(self, job: Job) -> Any:  # the Dispatcher's
-        raise NotImplementedError
-
-    def _safely(self, job: Job, fn: Any, *args: Any, **kwargs: Any) -> Any:  # the Dispatcher's fault handling
-        raise NotImplementedError
+    def __init__(
+        self, *, engine: Engine, settings: Settings, owner: str, nodes: NodeHistory, late: LateLogs,
+        host: HostEffects, spec_of: SpecOf, safely: Safely, stop_sent: dict[str, float],
+        retry_policy: Callable[..., retry.RetryDecision] = retry.decide,
+    ) -> None:  # fmt: skip
+        self.engine, self.settings, self.owner, self.nodes, self.late = engine, settings, owner, nodes, late
+        self.host, self.spec_of, self._safely, self._stop_sent = host, spec_of, safely, stop_sent
+        self.retry_policy = retry_policy
 
     # ---- submissions ----------------------------------------------------------------------------------------------
-    def _mark_submitted(self, job: Job, attempt: Attempt, *, adopted: bool) -> None:
+    def mark_submitted(self, job: Job, attempt: Attempt, *, adopted: bool) -> None:
         table = Attempt.__table__  # type: ignore[attr-defined]  # SQLModel sets __table__ when it makes the class
         with session_scope(self.engine) as session:
             changed = session.execute(
@@ -112,25 +113,25 @@ class Finishing:
         except SQLAlchemyError as exc:
             log.warning("recording %d submissions at once failed (%s): one by one", len(accepted), exc)
             for job, attempt, adopted in accepted:
-                self._safely(job, self._mark_submitted, job, attempt, adopted=adopted)
+                self._safely(job, self.mark_submitted, job, attempt, adopted=adopted)
             return
         for _, attempt, _ in accepted:
             attempt.submitted = True
 
     # ---- ends -----------------------------------------------------------------------------------------------------
-    def _finish(self, job: Job, attempt: Attempt, action: Finish) -> None:
+    def finish(self, job: Job, attempt: Attempt, action: Finish) -> None:
         """Close the attempt; then end the job, or queue the next attempt if the retry policy says so."""
-        self._write_ending(self.prepare_ending(job, attempt, action))
+        self.write_ending(self.prepare(job, attempt, action))
 
-    def prepare_ending(self, job: Job, attempt: Attempt, action: Finish) -> Ending:
+    def prepare(self, job: Job, attempt: Attempt, action: Finish) -> Ending:
         """Everything an end needs before its transaction: the kept log, the retry decision."""
         reason, message = action.reason, action.message
         if attempt.message and (action.log_later or reason in end_reasons.DRIVER_ACCOUNT):
             message = attempt.message  # the driver's own account (a stall's: the dispatcher's, not Ray's "stopped")
-        log_uri = self._host_effect(job, "log", self._keep_log, job, attempt) if action.keep_logs else None
+        log_uri = self.host.run(job, "log", self.host.keep_log, job, attempt) if action.keep_logs else None
         spec, _ = self.spec_of(job)
         retries = spec.retries if spec is not None else Retries()
-        decision = retry.decide(
+        decision = self.retry_policy(
             reason=reason, attempt=job.attempt, max_attempts=retries.max_attempts,
             backoff_seconds=retries.backoff_seconds, max_backoff_seconds=retries.max_backoff_seconds,
             retry_on_timeout=retries.retry_on_timeout, preemptions=job.preemptions,
@@ -146,7 +147,7 @@ class Finishing:
         return {"a_id": e.attempt.id, "a_ended": e.now, "a_reason": e.action.reason, "a_status": e.action.ray_status,
                 "a_message": e.message, "a_log": e.log_uri}  # fmt: skip
 
-    def _write_ending(self, e: Ending) -> None:
+    def write_ending(self, e: Ending) -> None:
         """One end in its own transaction (raises StaleWrite if the job moved on)."""
         job, reason, decision, message, now = e.job, e.action.reason, e.decision, e.message, e.now
         with session_scope(self.engine) as session:
@@ -187,7 +188,7 @@ class Finishing:
         if e.action.log_later:
             self.late.add(e.attempt, e.now)
         if e.asked:  # read before the transition, which clears the job's preempt_requested_at
-            self._host_effect(e.job, "preemption notice", self._clear_notice, e.job)
+            self.host.run(e.job, "preemption notice", self.host.clear_notice, e.job)
 
     def finish_many(self, endings: list[Ending]) -> None:
         """Write many ends: those not retried in one transaction (one UPDATE of jobs per kind of end, one of attempts,
@@ -214,10 +215,10 @@ class Finishing:
                     else:
                         self._after_ending(e)
         for e in one_by_one:
-            self._safely(e.job, self._write_ending, e)
+            self._safely(e.job, self.write_ending, e)
 
     # ---- attempts --------------------------------------------------------------------------------------------------
-    def _mark_attempt(self, attempt: Attempt, reason: EndReason, message: str) -> None:
+    def mark_attempt(self, attempt: Attempt, reason: EndReason, message: str) -> None:
         with session_scope(self.engine) as session:
             session.execute(
                 update(Attempt).where(col(Attempt.id) == attempt.id, col(Attempt.end_reason).is_(None))

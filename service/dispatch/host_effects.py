@@ -1,35 +1,40 @@
 """Shunter's own effects on its host for one job (its kept log, its preemption notice): a failure is recorded as an
-event on the job and got past, never the job's end. A mixin of `service.dispatch.dispatcher.Dispatcher`."""
+event on the job and got past, never the job's end. A part of `service.dispatch.dispatcher.Dispatcher`, given what it
+uses."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
+from service.config.settings import Settings
+from service.core.backend import Backend
 from service.core.errors import InfraError
 from service.dispatch import submission
-from service.dispatch.host_files import HostFault
+from service.dispatch.host_files import HostFault, HostFiles
 from service.lifecycle.state import record_event
+from service.spec.job import JobSpec
 from service.store.db import session_scope
 from service.store.models import Attempt, EventKind, Job
 from service.tenancy.secret_store import masker_for
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+SpecOf = Callable[[Job], tuple[JobSpec | None, str | None]]
 
 
 class HostEffects:
-    engine: Any
-    files: Any
-    ray: Any
-    settings: Any
-    owner: str
+    def __init__(
+        self, *, engine: Engine, settings: Settings, ray: Backend, files: HostFiles, owner: str, spec_of: SpecOf
+    ) -> None:
+        self.engine, self.settings, self.ray, self.files, self.owner = engine, settings, ray, files, owner
+        self.spec_of = spec_of
 
-    def spec_of(self, job: Job) -> Any:  # the Dispatcher's
-        raise NotImplementedError
-
-    def _host_effect(self, job: Job, what: str, effect: Any, *args: Any) -> Any:
+    def run(self, job: Job, what: str, effect: Callable[..., T], *args: Any) -> T | None:
         """Run one of shunter's own file effects for `job`; a failure is an event on the job, never its end."""
         try:
             return effect(*args)
@@ -43,7 +48,7 @@ class HostEffects:
                 log.warning("job %s: could not record the host fault either", job.id)
             return None
 
-    def _keep_log(self, job: Job, attempt: Attempt) -> str | None:
+    def keep_log(self, job: Job, attempt: Attempt) -> str | None:
         """Copy the attempt's driver log out of Ray, so it stays readable after the cluster is gone."""
         try:
             chunks = self.ray.log_stream(attempt.submission_id, 0, None)  # by range: never the whole log held
@@ -60,8 +65,8 @@ class HostEffects:
             raise HostFault("the job's spec does not validate: no storage to use")
         return submission.job_storage(spec, self.settings)
 
-    def _write_notice(self, job: Job) -> None:
+    def write_notice(self, job: Job) -> None:
         self.files.write_preemption_notice(self._storage_of(job), job.id, attempt=job.attempt)
 
-    def _clear_notice(self, job: Job) -> None:
+    def clear_notice(self, job: Job) -> None:
         self.files.clear_preemption_notice(self._storage_of(job), job.id)
