@@ -1,5 +1,5 @@
 """/v1/jobs/{id}/logs: a job's log, read by range or followed. No rows are built here; a running attempt's log is
-read from Ray through the API's `RayLogs` (api.logs), an ended one from shunter's stored copy."""
+read from Ray through `RayLogs` (service.lifecycle.log_reads), an ended one from shunter's stored copy."""
 
 from __future__ import annotations
 
@@ -17,7 +17,18 @@ from sqlmodel import Session
 
 from api.deps import CallerDep, RuntimeDep, SessionDep
 from api.gate import step_aside
-from api.logs import (
+from api.routes.events import StreamTimeout
+from api.routes.jobs import JobId
+from api.schemas import (
+    ERROR_RESPONSES,
+    STREAM_ERROR_RESPONSES,
+)
+from api.sse import pause
+from api.streams import DB_UNAVAILABLE, is_database_outage, open_stream, slots_of, state_of
+from service.core.errors import InfraError, NotFound
+from service.dispatch.host_files import HostFiles
+from service.lifecycle import jobs
+from service.lifecycle.log_reads import (
     FOLLOW_READ_MAX,
     MaskedReader,
     RayLogReader,
@@ -33,17 +44,6 @@ from api.logs import (
     stored_tail,
     tail_offset,
 )
-from api.routes.events import StreamTimeout
-from api.routes.jobs import JobId
-from api.schemas import (
-    ERROR_RESPONSES,
-    STREAM_ERROR_RESPONSES,
-)
-from api.sse import pause
-from api.streams import DB_UNAVAILABLE, is_database_outage, open_stream, slots_of, state_of
-from service.core.errors import InfraError, NotFound
-from service.dispatch.host_files import HostFiles
-from service.lifecycle import jobs
 from service.runtime import Runtime
 from service.store.models import Attempt, Job, JobState
 from service.tenancy.secret_store import masker_for

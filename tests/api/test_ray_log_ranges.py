@@ -18,11 +18,11 @@ import httpx
 import pytest
 from sqlmodel import Session, select
 
-from api.logs import RayLogReader, RayLogs, byte_range
 from service.backends.ray_jobs import RayJobs
 from service.core.errors import InfraError
 from service.dispatch.host_files import HostFiles
 from service.dispatch.late_logs import LateLogs
+from service.lifecycle.log_reads import RayLogReader, RayLogs, byte_range
 from service.store.db import make_engine
 from service.store.migrate import upgrade
 from service.store.models import Attempt, EndReason, Job, JobState, utcnow

@@ -250,6 +250,27 @@ def test_job_events_have_one_writer() -> None:
     assert writers == ["service/lifecycle/state.py"]
 
 
+def test_the_api_never_calls_ray() -> None:
+    """No module under api/ calls a method of the cluster backend (`service.core.backend.Backend`) on it: reading a
+    running attempt's log goes through `service.lifecycle.log_reads`, and everything else through the service or the
+    dispatcher (issue 36, item 6)."""
+    backend_methods = {"info", "submit", "stop", "logs", "log_range", "log_stream", "cluster", "dump_stacks",
+                       "list_submission_ids", "request_resources"}  # fmt: skip
+    calls = []
+    for path in (ROOT / "api").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in backend_methods
+            ):
+                owner = node.func.value
+                named = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+                if named in {"ray", "backend"}:
+                    calls.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert calls == []
+
+
 def test_settings_parse_and_build_no_policy() -> None:
     """`service/config/settings.py` is a leaf (issue 36, item 5): it imports nothing of shunter's but the vocabulary
     (`core`), the spec's parse models and the token grants; the rules it configures are built by
