@@ -99,8 +99,12 @@ def test_the_queue_grows_the_cluster_places_typed_work_and_lets_idle_nodes_go(tm
             # alice did (2 workers to her 1), so the one gang the request holds is alice's; bob's comes after it.
             used = {r["owner"]: r["cpu_hours"] for r in http.get("/v1/usage").json()["rows"]}
             assert used["bob"] > used["alice"] > 0, used  # the premise, as the service counts it
-            bob_next = bob.submit(mlp_spec(total_steps=8) | {"name": "bob-next"})
-            alice_next = c.submit(mlp_spec(total_steps=8) | {"name": "alice-next"})
+            # Both are queued before any pass may ask for either: their queue admits nothing until both are in (a
+            # pass between the two posts would rightly ask for bob's, the only one waiting then).
+            assert http.put("/v1/queues/later", json={"max_running": 0}).status_code == 200
+            bob_next = bob.submit(mlp_spec(total_steps=8) | {"name": "bob-next", "queue": "later"})
+            alice_next = c.submit(mlp_spec(total_steps=8) | {"name": "alice-next", "queue": "later"})
+            assert http.put("/v1/queues/later", json={}).status_code == 200  # no limit: both now wait for room
 
             def asked_for(job_id: str) -> list[int]:
                 return [e["id"] for e in http_events(http, job_id) if e["reason"] == "scale_requested"]
