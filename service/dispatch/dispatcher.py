@@ -25,7 +25,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
 
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
@@ -115,7 +114,7 @@ class Dispatcher:
         self.host = HostEffects(engine=engine, settings=settings, ray=ray, files=self.files, owner=owner,
                                 spec_of=self.spec_of)  # fmt: skip
         self.finishing = Finishing(engine=engine, settings=settings, owner=owner, nodes=self.nodes, late=self.late,
-                                   host=self.host, spec_of=self.spec_of, safely=self._safely,
+                                   host=self.host, spec_of=self.spec_of, safely=self.faults.safely,
                                    stop_sent=self._stop_sent, retry_policy=retry_policy)  # fmt: skip
         self._admit = admit
         self.steps: list[tuple[str, Callable[[TickState], None]]] = [
@@ -192,7 +191,7 @@ class Dispatcher:
             self._may_hold = bool(mine)
         # Reconciling is mostly waiting (Ray's HTTP API, the database): overlap it across the jobs held. The attempts
         # Ray says ended are written together after (service.dispatch.finishing).
-        ends = self._pool.map(lambda held: self._safely(held[0], self._reconcile_held, *held), mine)
+        ends = self._pool.map(lambda held: self.faults.safely(held[0], self._reconcile_held, *held), mine)
         self.finishing.finish_many([e for e in ends if e is not None])
 
     def _admission(self, state: TickState) -> None:
@@ -253,18 +252,14 @@ class Dispatcher:
             self.host.run(victim, "preemption notice", self.host.write_notice, victim)
         # Submit at once rather than on the next tick, overlapped; the accepted submissions recorded in one go.
         news = [(job, attempts[job.id]) for job in started]
-        adopted = self._pool.map(lambda new: self._safely(new[0], self._submission, *new), news)
+        adopted = self._pool.map(lambda new: self.faults.safely(new[0], self._submission, *new), news)
         self.finishing.mark_submitted_many([(j, a, was) for (j, a), was in zip(news, adopted, strict=True)
                                             if was is not None])  # fmt: skip
         return [job.id for job in started]
 
     # ---- reconciliation -------------------------------------------------------------------------------------
     def _reconcile_safely(self, job: Job) -> None:
-        self._safely(job, self.reconcile, job)
-
-    def _safely(self, job: Job, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """`fn(*args)` for `job`, its faults kept its own (`service.dispatch.job_faults`); None when it failed."""
-        return self.faults.safely(job, fn, *args, **kwargs)
+        self.faults.safely(job, self.reconcile, job)
 
     def reconcile(self, job: Job) -> None:
         """Bring one held job in line with its Ray Job: gather the facts, decide, act."""

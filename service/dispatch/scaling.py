@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from datetime import datetime, timezone
+from datetime import datetime
 
 from sqlalchemy.engine import Engine
 from sqlmodel import col, select
@@ -70,7 +70,7 @@ class Scaling:
         with session_scope(self.engine, write=False) as session:
             for job_id, said, at in session.exec(query).all():
                 if said == "scale_requested":
-                    asked[job_id] = at if at.tzinfo is not None else at.replace(tzinfo=timezone.utc)
+                    asked[job_id] = at  # aware UTC, as every UTCDateTime column reads back
                 else:
                     asked.pop(job_id, None)
         with self._lock:
